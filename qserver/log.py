@@ -1,0 +1,112 @@
+"""The in-memory replicated log: records ordered by trans_id.
+
+Theory of operation
+-------------------
+The log is a gap-free run of `Record`s, trans_id `first` .. `last`. Entries
+before `first` have been compacted away: their effect lives in the state
+machine (and, once storage lands, in a snapshot), described by
+`base_trans_id` / `base_vote_id`, the position of the last compacted entry.
+
+A position is the pair (vote_id, trans_id) of a record; `last_position()` is
+what an election compares first (design.md section 2: the last entry's epoch
+before its trans_id).
+
+Rules
+- `append` only at `last + 1`; anything else is a bug in the caller.
+- `truncate_after(t)` drops every record after trans_id t (a diverging
+  slave); it never drops below the compaction base.
+- `compact(keep)` keeps at most `keep` records (queue_server's log_size).
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .entries import Entry, Record
+from .errors import InvariantError
+
+__all__ = ["Log"]
+
+
+class Log:
+    """A bounded, trans_id-ordered run of records."""
+
+    def __init__(self, *, base_trans_id: int = 0, base_vote_id: int = 0) -> None:
+        self.records: deque[Record] = deque()  # records[i].trans_id == base_trans_id + 1 + i
+        self.base_trans_id = base_trans_id  # last trans_id compacted away (0: none)
+        self.base_vote_id = base_vote_id  # vote_id of that record
+
+    @property
+    def first_trans_id(self) -> int:
+        """trans_id of the oldest retained record (base + 1 even when empty)."""
+        return self.base_trans_id + 1
+
+    @property
+    def last_trans_id(self) -> int:
+        return self.base_trans_id + len(self.records)
+
+    def last_position(self) -> tuple[int, int]:
+        """(vote_id, trans_id) of the newest record, or of the base."""
+        if self.records:
+            r = self.records[-1]
+            return r.vote_id, r.trans_id
+        return self.base_vote_id, self.base_trans_id
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def append_entry(self, entry: Entry, vote_id: int) -> Record:
+        """Append `entry` as the next record under `vote_id`. O(1)."""
+        record = Record(trans_id=self.last_trans_id + 1, vote_id=vote_id, entry=entry)
+        self.records.append(record)
+        return record
+
+    def append(self, record: Record) -> None:
+        """Append a record received from elsewhere; it must be the next. O(1)."""
+        if record.trans_id != self.last_trans_id + 1:
+            raise InvariantError(f"append of trans_id {record.trans_id} after {self.last_trans_id}")
+        self.records.append(record)
+
+    def get(self, trans_id: int) -> Record | None:
+        """The record at trans_id, or None if compacted or not yet there. O(1)."""
+        i = trans_id - self.base_trans_id - 1
+        if 0 <= i < len(self.records):
+            return self.records[i]
+        return None
+
+    def vote_id_at(self, trans_id: int) -> int | None:
+        """vote_id of the record at trans_id (the base counts), or None."""
+        if trans_id == self.base_trans_id:
+            return self.base_vote_id
+        r = self.get(trans_id)
+        return None if r is None else r.vote_id
+
+    def slice(self, start: int, limit: int) -> list[Record]:
+        """At most `limit` records from trans_id `start` on. O(limit)."""
+        i = max(start - self.base_trans_id - 1, 0)
+        records = self.records
+        end = min(i + limit, len(records))
+        return [records[j] for j in range(i, end)]
+
+    def truncate_after(self, trans_id: int) -> int:
+        """Drop every record after `trans_id`; returns how many. O(dropped)."""
+        if trans_id < self.base_trans_id:
+            raise InvariantError(f"truncate to {trans_id} below compaction base {self.base_trans_id}")
+        dropped = 0
+        while self.records and self.records[-1].trans_id > trans_id:
+            self.records.pop()
+            dropped += 1
+        return dropped
+
+    def compact(self, keep: int, upto: int) -> int:
+        """Drop the oldest records so that at most `keep` remain, never past
+        trans_id `upto` (what is applied). Returns how many. O(dropped)."""
+        dropped = 0
+        records = self.records
+        while len(records) > keep and records[0].trans_id <= upto:
+            r = records.popleft()
+            self.base_trans_id, self.base_vote_id = r.trans_id, r.vote_id
+            dropped += 1
+        return dropped

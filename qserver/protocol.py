@@ -1,0 +1,221 @@
+"""The client wire codec: JSON objects over a TCP stream or UDP datagrams.
+
+Theory of operation
+-------------------
+queue_server's clients write JSON objects back to back, with or without
+whitespace or newlines between them, and a request may arrive split across
+reads. `StreamDecoder.feed(bytes)` returns every value completed by those
+bytes, in order; it keeps the unfinished tail for the next call.
+
+Framing scans for the brackets that close the top-level value, skipping
+string contents (and their escapes), and resumes where it stopped, so a
+request fed one byte at a time costs O(n) overall. Most reads hold exactly
+one request, or whole newline-terminated requests; those are handed to
+orjson directly without scanning.
+
+Rules
+- A framed value that is not valid JSON is an error for that request only
+  (`BadRequest` in the output); the stream goes on.
+- Bytes that cannot start a value (anything but whitespace, `{` or `[`
+  between requests), or an unfinished request longer than the limit, poison
+  the decoder: `ProtocolError` in the output, and every later feed returns
+  nothing. The server answers once and closes the connection.
+- A complete request longer than the limit is a `BadRequest`; the stream
+  goes on (its end is known).
+
+Responses are one JSON object and a newline (`encode_response`).
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+from .errors import BadRequest, ProtocolError
+
+__all__ = [
+    "StreamDecoder",
+    "decode_datagram",
+    "encode_response",
+    "error_response",
+    "DEFAULT_MAX_REQUEST_SIZE",
+    "MAX_UDP_PAYLOAD",
+]
+
+# design.md: 64 KiB by default; queue_server advised TCP above 2 KiB of data.
+DEFAULT_MAX_REQUEST_SIZE = 64 * 1024
+
+# The largest payload one IPv4 UDP datagram can carry.
+MAX_UDP_PAYLOAD = 65_507
+
+_WS = b" \t\r\n"
+_STRUCT = re.compile(rb'["{}\[\]]')
+_STR_SPECIAL = re.compile(rb'["\\]')
+_NON_WS = re.compile(rb"[^ \t\r\n]")
+_OPEN = frozenset(b"{[")
+_QUOTE = ord('"')
+_BACKSLASH = ord("\\")
+_OPEN_CHARS = (ord("{"), ord("["))
+
+
+def _loads(frame: bytes | bytearray | memoryview) -> object:
+    try:
+        return orjson.loads(frame)
+    except orjson.JSONDecodeError:
+        return BadRequest("invalid json")
+
+
+class StreamDecoder:
+    """Frames a byte stream into JSON values (see the module docstring)."""
+
+    __slots__ = ("max_size", "_buf", "_pos", "_start", "_depth", "_in_str", "poisoned")
+
+    def __init__(self, max_size: int = DEFAULT_MAX_REQUEST_SIZE) -> None:
+        self.max_size = max_size
+        self._buf = bytearray()  # unconsumed bytes; _buf[:_pos] already scanned
+        self._pos = 0  # next byte to scan
+        self._start = -1  # start of the unfinished value in _buf, -1 between values
+        self._depth = 0  # bracket depth of the unfinished value
+        self._in_str = False  # _pos is inside a string literal
+        self.poisoned = False  # the stream cannot be framed any more
+
+    def feed(self, data: bytes) -> list:
+        """Consume `data`; return the values it completed, in order. Each item
+        is a decoded JSON value, a BadRequest (that request only) or a final
+        ProtocolError. O(len(data))."""
+        if self.poisoned:
+            return []
+        if not self._buf:
+            fast = self._fast(data)
+            if fast is not None:
+                return fast
+        self._buf += data
+        return self._scan()
+
+    def _fast(self, data: bytes) -> list | None:
+        # One whole request, or whole newline-terminated requests: the
+        # common shapes, decoded without scanning.
+        tail = data.rstrip(_WS)
+        if not tail or tail[-1] != 0x7D:  # '}'
+            return None
+        if len(data) <= self.max_size:
+            try:
+                return [orjson.loads(data)]
+            except orjson.JSONDecodeError:
+                pass
+        if b"\n" not in tail:
+            return None
+        out = []
+        for line in tail.split(b"\n"):
+            if len(line) > self.max_size:
+                return None
+            if not line.strip(_WS):
+                continue
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                return None  # a value spanning lines: frame it properly
+        return out
+
+    def _scan(self) -> list:
+        out: list = []
+        buf = self._buf
+        pos, start, depth, in_str = self._pos, self._start, self._depth, self._in_str
+        end = len(buf)
+        max_size = self.max_size
+        while pos < end:
+            if start < 0:
+                m = _NON_WS.search(buf, pos)
+                if m is None:
+                    pos = end
+                    break
+                pos = m.start()
+                if buf[pos] not in _OPEN_CHARS:
+                    self._poison(out, "invalid json")
+                    return out
+                start, depth = pos, 1
+                pos += 1
+                continue
+            if in_str:
+                m = _STR_SPECIAL.search(buf, pos)
+                if m is None:
+                    pos = end
+                elif buf[m.start()] == _QUOTE:
+                    in_str = False
+                    pos = m.start() + 1
+                elif m.start() + 1 < end:
+                    pos = m.start() + 2  # skip the escaped byte
+                else:
+                    pos = m.start()  # the escaped byte has not arrived yet
+                    break
+                continue
+            m = _STRUCT.search(buf, pos)
+            if m is None:
+                pos = end
+                continue
+            pos = m.start() + 1
+            c = buf[m.start()]
+            if c == _QUOTE:
+                in_str = True
+            elif c in _OPEN:
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    if pos - start > max_size:
+                        out.append(BadRequest("request too large"))
+                    else:
+                        out.append(_loads(memoryview(buf)[start:pos]))
+                    start = -1
+        if start >= 0 and end - start > max_size:
+            self._poison(out, "request too large")
+            return out
+        # Drop what is consumed so the buffer holds at most one request.
+        cut = start if start >= 0 else pos
+        if cut:
+            del buf[:cut]
+            pos -= cut
+            if start >= 0:
+                start = 0
+        self._pos, self._start, self._depth, self._in_str = pos, start, depth, in_str
+        return out
+
+    def _poison(self, out: list, reason: str) -> None:
+        out.append(ProtocolError(reason))
+        self.poisoned = True
+        self._buf = bytearray()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held for an unfinished request."""
+        return len(self._buf)
+
+
+def decode_datagram(data: bytes, max_size: int) -> object:
+    """Decode one UDP datagram: a JSON value or a BadRequest."""
+    if len(data) > max_size:
+        return BadRequest("request too large")
+    return _loads(data)
+
+
+_DUMPS = orjson.dumps
+_NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
+def encode_response(response: dict) -> bytes:
+    """One response object as JSON plus a newline."""
+    return _DUMPS(response, option=_NEWLINE)
+
+
+def error_response(reason: str, request: object = None) -> dict:
+    """A code -1 response; echoes the request's fields when it was an object
+    (so that `seq` comes back), except its data."""
+    if type(request) is dict:
+        request.pop("data", None)
+        request["code"] = -1
+        request["reason"] = reason
+        return request
+    return {"code": -1, "reason": reason}

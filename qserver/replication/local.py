@@ -1,0 +1,48 @@
+"""The single-node engine: the node is always master, and an entry is
+committed as soon as it is appended and applied.
+
+It goes through the same seam as the cluster engines (log append, store
+apply, `done` callback), so the service cannot tell it apart from a cluster
+master whose followers answer instantly.
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from ..entries import Entry
+from ..log import Log
+from ..store import Store
+from .base import Done, EngineStatus, LeaderInfo
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine:
+    """One node, master forever (vote_id 1)."""
+
+    def __init__(self, *, store: Store, log: Log, me: LeaderInfo, log_size: int) -> None:
+        self.store = store
+        self.log = log
+        self.me = me
+        self.log_size = log_size  # records kept in memory (queue_server's log_size)
+        self.vote_id = 1
+
+    @property
+    def is_master(self) -> bool:
+        return True
+
+    def leader(self) -> LeaderInfo | None:
+        return self.me
+
+    def propose(self, entry: Entry, done: Done) -> None:
+        record = self.log.append_entry(entry, self.vote_id)
+        result = self.store.apply(record.entry)
+        if len(self.log) > self.log_size:
+            self.log.compact(self.log_size, record.trans_id)
+        done(result, None)
+
+    def status(self) -> EngineStatus:
+        last = self.log.last_trans_id
+        return EngineStatus(role="master", vote_id=self.vote_id, trans_id=last,
+                            commit_id=last, applied_id=last, log_size=len(self.log))

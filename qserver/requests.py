@@ -1,0 +1,217 @@
+"""Client requests: validated once, where they enter.
+
+Theory of operation
+-------------------
+`parse_request(obj)` turns a decoded JSON object into one of the request
+types below or raises `BadRequest` with the reason the client will read.
+Everything after this point trusts the types: the store, the service and the
+replication code never re-check a field.
+
+The raw JSON object is kept by the caller, because queue_server's clients
+expect the response to echo the request's fields (they match `seq`).
+
+Times stay as the client sent them (seconds, absolute or relative below
+1e9); the master converts them to absolute milliseconds in `Store.decide()`,
+with its own clock, so that a request forwarded from a slave is timed once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import BadRequest
+
+__all__ = [
+    "Action",
+    "ProduceRequest",
+    "ConsumeRequest",
+    "ConfirmRequest",
+    "MonitorRequest",
+    "ListRequest",
+    "LeaderRequest",
+    "UnsupportedRequest",
+    "Request",
+    "parse_request",
+    "MAX_QUEUE_NAME",
+    "MAX_TIME_S",
+    "RELATIVE_TIME_LIMIT_S",
+]
+
+
+class Action(enum.IntEnum):
+    PRODUCE = 1
+    CONSUME = 2
+    CONFIRM = 3
+    MONITOR = 4
+    CONFIG = 5
+    CLEAR = 6
+    LIST = 7
+    LEADER = 8
+    LOCAL_MONITOR = 104
+    LOCAL_LIST = 107
+
+
+# Actions at or above this number are answered by the receiving node from its
+# own state and never forwarded to the master (queue_server's rule).
+LOCAL_ACTION_START = 100
+
+# Long enough for any real naming scheme ("task#station:order:event"), short
+# enough that a list response of many queues stays small.
+MAX_QUEUE_NAME = 255
+
+# Times beyond the year 9999 are nonsense and would overflow the ms keys'
+# sane range; refuse them instead of storing them.
+MAX_TIME_S = 253_402_300_799
+
+# The memcached convention: a time below this is seconds relative to now.
+RELATIVE_TIME_LIMIT_S = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProduceRequest:
+    queue: str
+    data: str
+    delay_s: float | None  # None = now
+    ttl_s: float | None  # None = delay + 3600 s
+    retry_s: float  # 0 = at-most-once
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumeRequest:
+    queue: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfirmRequest:
+    queue: str
+    msg_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MonitorRequest:
+    queue: str | None  # None = node information only
+    local: bool  # action 104: answered from this node's own state
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListRequest:
+    pattern: str  # substring; "" matches every queue
+    local: bool  # action 107
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaderRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnsupportedRequest:
+    """Actions 5 (config) and 6 (clear): queue_server answered "not support"."""
+
+    action: int
+
+
+Request = (ProduceRequest | ConsumeRequest | ConfirmRequest | MonitorRequest
+           | ListRequest | LeaderRequest | UnsupportedRequest)
+
+
+def _queue(obj: dict, required: bool = True) -> str | None:
+    name = obj.get("queue")
+    if name is None:
+        if required:
+            raise BadRequest("missing field: queue")
+        return None
+    if type(name) is not str:
+        raise BadRequest("queue must be a string")
+    if not name:
+        raise BadRequest("queue must not be empty")
+    if len(name) > MAX_QUEUE_NAME:
+        raise BadRequest(f"queue name longer than {MAX_QUEUE_NAME} characters")
+    return name
+
+
+def _time(obj: dict, field: str) -> float | None:
+    value = obj.get(field)
+    if value is None:
+        return None
+    if type(value) is not int and type(value) is not float:
+        raise BadRequest(f"{field} must be a number")
+    if value < 0:
+        raise BadRequest(f"{field} must not be negative")
+    if value > MAX_TIME_S:
+        raise BadRequest(f"{field} out of range")
+    return value
+
+
+def _produce(obj: dict) -> ProduceRequest:
+    queue = _queue(obj)
+    data = obj.get("data")
+    if data is None:
+        raise BadRequest("missing field: data")
+    if type(data) is not str:
+        raise BadRequest("data must be a string")
+    delay = _time(obj, "delay")
+    ttl = _time(obj, "ttl")
+    retry = obj.get("retry", 0)
+    if retry is None:
+        retry = 0
+    if type(retry) is not int and type(retry) is not float:
+        raise BadRequest("retry must be a number")
+    if retry < 0:
+        raise BadRequest("retry must not be negative")
+    if retry > MAX_TIME_S:
+        raise BadRequest("retry out of range")
+    return ProduceRequest(queue=queue, data=data, delay_s=delay, ttl_s=ttl, retry_s=retry)
+
+
+def _msg_id(obj: dict) -> int:
+    value = obj.get("msg_id")
+    if value is None:
+        raise BadRequest("missing field: msg_id")
+    if type(value) is str and value.isdigit() and len(value) < 20:
+        value = int(value)  # some clients send ids as strings
+    if type(value) is not int:
+        raise BadRequest("msg_id must be an integer")
+    if value < 1:
+        raise BadRequest("msg_id must be positive")
+    return value
+
+
+def _pattern(obj: dict) -> str:
+    pattern = obj.get("pattern")
+    if pattern is None:
+        return ""
+    if type(pattern) is not str:
+        raise BadRequest("pattern must be a string")
+    return pattern
+
+
+def parse_request(obj: object) -> Request:
+    """Validate a decoded JSON value as a request.
+
+    Returns the typed request; raises BadRequest with the client's reason.
+    Cost: O(number of fields).
+    """
+    if type(obj) is not dict:
+        raise BadRequest("request must be a JSON object")
+    action = obj.get("action")
+    if action is None:
+        raise BadRequest("missing field: action")
+    if type(action) is not int:
+        raise BadRequest("action must be an integer")
+    if action == 1:
+        return _produce(obj)
+    if action == 2:
+        return ConsumeRequest(queue=_queue(obj))
+    if action == 3:
+        return ConfirmRequest(queue=_queue(obj), msg_id=_msg_id(obj))
+    if action == 4 or action == 104:
+        return MonitorRequest(queue=_queue(obj, required=False), local=action == 104)
+    if action == 7 or action == 107:
+        return ListRequest(pattern=_pattern(obj), local=action == 107)
+    if action == 8:
+        return LeaderRequest()
+    if action == 5 or action == 6:
+        return UnsupportedRequest(action=action)
+    raise BadRequest("invalid action")

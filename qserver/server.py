@@ -1,0 +1,234 @@
+"""The asyncio adapters: TCP and UDP on the client port, and the node's
+lifecycle (start, serve, orderly shutdown).
+
+These classes are mechanical, as the house style asks: feed bytes to the
+codec, hand each decoded request to the service with the current time, and
+write the encoded answers back. One event loop owns the node; nothing else
+mutates it.
+
+TCP answers pipelined requests in order, even when a later request is
+answered before an earlier one (quorum mode): each request takes a slot in
+the connection's queue of answers, and only the filled head of that queue is
+written. All answers that a single read produces go out in one write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from .config import Config
+from .errors import BadRequest, ProtocolError
+from .log import Log
+from .protocol import (
+    MAX_UDP_PAYLOAD,
+    StreamDecoder,
+    decode_datagram,
+    encode_response,
+    error_response,
+)
+from .replication import LeaderInfo, LocalEngine
+from .service import Service
+from .store import Store
+
+__all__ = ["Node", "ClientTcpProtocol", "ClientUdpProtocol"]
+
+log = logging.getLogger("qserver.server")
+
+# A client may pipeline this many requests before we stop reading from it
+# until answers drain: bounds the memory one connection can pin.
+MAX_PIPELINE = 4096
+
+# How long an orderly shutdown waits for in-flight answers before closing.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ClientTcpProtocol(asyncio.Protocol):
+    """One client connection: a stream of JSON requests, answered in order."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+        self.transport: asyncio.Transport | None = None
+        self.decoder = StreamDecoder(node.config.max_request_size)
+        self.slots: deque[list] = deque()  # [encoded answer or None], in request order
+        self.batching = False  # inside data_received: flush once at its end
+        self.closing = False  # close once every slot is written
+        self.paused = False  # reading paused (back-pressure)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.node.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.node.connections.discard(self)
+        self.transport = None
+        self.slots.clear()
+
+    def data_received(self, data: bytes) -> None:
+        items = self.decoder.feed(data)
+        if not items:
+            return
+        handle = self.node.service.handle
+        t = now_ms()
+        self.batching = True
+        for item in items:
+            slot = [None]
+            self.slots.append(slot)
+            if type(item) is ProtocolError:
+                slot[0] = encode_response(error_response(item.reason))
+                self.closing = True
+                break
+            if type(item) is BadRequest:
+                slot[0] = encode_response(error_response(item.reason))
+                continue
+            handle(item, t, self._responder(slot))
+        self.batching = False
+        self._flush()
+        if len(self.slots) > MAX_PIPELINE and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _responder(self, slot: list):
+        def respond(response: dict) -> None:
+            slot[0] = encode_response(response)
+            if not self.batching:
+                self._flush()
+        return respond
+
+    def _flush(self) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        slots = self.slots
+        if len(slots) == 1:
+            if slots[0][0] is not None:
+                transport.write(slots.popleft()[0])
+        else:
+            out = []
+            while slots and slots[0][0] is not None:
+                out.append(slots.popleft()[0])
+            if out:
+                transport.write(b"".join(out))
+        if self.closing and not slots:
+            transport.close()
+        elif self.paused and len(slots) <= MAX_PIPELINE // 2:
+            self.paused = False
+            transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        # The client is not reading its answers: stop reading its requests.
+        if self.transport and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport and self.paused and len(self.slots) <= MAX_PIPELINE // 2:
+            self.paused = False
+            self.transport.resume_reading()
+
+    @property
+    def idle(self) -> bool:
+        return not self.slots
+
+
+class ClientUdpProtocol(asyncio.DatagramProtocol):
+    """One JSON request per datagram, one answer datagram to the sender."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+        self.transport: asyncio.DatagramTransport | None = None
+        self.max_size = node.config.max_udp_request_size
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        obj = decode_datagram(data, self.max_size)
+        if type(obj) is BadRequest:
+            self._send(error_response(obj.reason), addr)
+            return
+        self.node.service.handle(obj, now_ms(), lambda response: self._send(response, addr))
+
+    def _send(self, response: dict, addr) -> None:
+        if self.transport is None:
+            return
+        payload = encode_response(response)
+        if len(payload) > MAX_UDP_PAYLOAD:
+            # The write happened; only its answer cannot travel by UDP.
+            response.pop("data", None)
+            response.update(code=-1, reason="response too large for udp; use tcp")
+            payload = encode_response(response)
+        self.transport.sendto(payload, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("udp error: %s", exc)
+
+
+class Node:
+    """One qserver node: its state, its engine and its client servers."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
+        self.log = Log()
+        me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+        self.engine = LocalEngine(store=self.store, log=self.log, me=me, log_size=config.log_size)
+        self.service = Service(config=config, store=self.store, engine=self.engine)
+        self.connections: set[ClientTcpProtocol] = set()
+        self._tcp: asyncio.base_events.Server | None = None
+        self._udp: asyncio.DatagramTransport | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound client address (the real port when configured as 0)."""
+        assert self._tcp is not None and self._tcp.sockets
+        host, port = self._tcp.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def start(self) -> None:
+        """Bind the client port (TCP and UDP). Raises OSError if it is taken."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        self._tcp = await loop.create_server(lambda: ClientTcpProtocol(self), cfg.host, cfg.port,
+                                             reuse_address=True, backlog=1024)
+        host, port = self.address
+        try:
+            self._udp, _ = await loop.create_datagram_endpoint(lambda: ClientUdpProtocol(self),
+                                                               local_addr=(host, port))
+        except OSError:
+            self._tcp.close()
+            raise
+        log.info("qserver node %d serving on %s:%d (tcp+udp), engine %s, mode %s",
+                 cfg.node_id, host, port, "single-node", cfg.mode.value)
+
+    async def serve(self) -> None:
+        """Run until `stop()`; then shut down in order."""
+        await self._stopped.wait()
+        await self.shutdown()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, finish in-flight answers, close every connection."""
+        if self._tcp is not None:
+            self._tcp.close()
+        if self._udp is not None:
+            self._udp.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SHUTDOWN_GRACE_S
+        while any(not c.idle for c in self.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.close()
+        if self._tcp is not None:
+            await self._tcp.wait_closed()
+        log.info("qserver node %d stopped", self.config.node_id)

@@ -1,0 +1,196 @@
+"""The request service: one decoded client request in, one response out.
+
+Theory of operation
+-------------------
+`Service.handle(obj, now_ms, respond)` validates the request, answers reads
+(monitor, list, leader) from the node's state, and turns writes into entries:
+`Store.decide_*` on the master, then `Engine.propose`, whose `done` callback
+builds the response once the entry is committed. `respond(dict)` may run
+before `handle` returns (single node, async mode) or later (quorum mode).
+
+The response is the request object itself with fields added, as queue_server
+does: its clients match `seq` and read back their own fields. A produce
+response drops `data`, `delay`, `ttl` and `retry`.
+
+Rules
+- Every outcome answers exactly once: a bad request (code -1 and the
+  reason), a refused write ("queue full", "time error"), an empty consume
+  (code 0, no msg_id), a committed write, or a write that failed to commit.
+- Nothing here reads a clock or touches a socket: `now_ms` comes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .config import Config
+from .errors import BadRequest
+from .protocol import error_response
+from .replication.base import Engine
+from .requests import (
+    ConfirmRequest,
+    ConsumeRequest,
+    LeaderRequest,
+    ListRequest,
+    MonitorRequest,
+    ProduceRequest,
+    UnsupportedRequest,
+    parse_request,
+)
+from .store import Store
+
+__all__ = ["Service", "Respond"]
+
+Respond = Callable[[dict], None]
+
+_PRODUCE_INPUTS = ("data", "delay", "ttl", "retry")
+
+
+class Service:
+    """Answers client requests for one node."""
+
+    def __init__(self, *, config: Config, store: Store, engine: Engine) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+
+    def handle(self, obj: object, now_ms: int, respond: Respond) -> None:
+        """Answer one decoded request (any JSON value) through `respond`."""
+        try:
+            req = parse_request(obj)
+        except BadRequest as exc:
+            respond(error_response(exc.reason, obj))
+            return
+        kind = type(req)
+        if kind is ProduceRequest:
+            self._produce(obj, req, now_ms, respond)
+        elif kind is ConsumeRequest:
+            self._consume(obj, req, now_ms, respond)
+        elif kind is ConfirmRequest:
+            self._confirm(obj, req, respond)
+        elif kind is MonitorRequest:
+            respond(self._monitor(obj, req, now_ms))
+        elif kind is ListRequest:
+            respond(self._list(obj, req, now_ms))
+        elif kind is LeaderRequest:
+            respond(self._leader(obj))
+        elif kind is UnsupportedRequest:
+            respond(error_response("not support", obj))
+        else:  # parse_request returns only the types above
+            respond(error_response("invalid action", obj))
+
+    # -- writes ------------------------------------------------------------
+
+    def _produce(self, obj: dict, req: ProduceRequest, now_ms: int, respond: Respond) -> None:
+        for key in _PRODUCE_INPUTS:
+            obj.pop(key, None)
+        outcome = self.store.decide_produce(req, now_ms)
+        if type(outcome) is str:
+            respond(error_response(outcome, obj))
+            return
+        virtual = req.queue in self.store.virtual_queues
+
+        def done(targets: object, error: str | None) -> None:
+            if error is not None:
+                respond(error_response(error, obj))
+                return
+            obj["code"] = 0
+            obj["msg_id"] = targets[0][1]
+            if virtual:
+                obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
+            respond(obj)
+
+        self.engine.propose(outcome, done)
+
+    def _consume(self, obj: dict, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
+        outcome = self.store.decide_consume(req, now_ms)
+        if outcome is None:
+            obj["code"] = 0
+            respond(obj)
+            return
+        if type(outcome) is str:
+            respond(error_response(outcome, obj))
+            return
+
+        def done(result: object, error: str | None) -> None:
+            if error is not None:
+                respond(error_response(error, obj))
+                return
+            obj["code"] = 0
+            obj["msg_id"], obj["data"] = result
+            respond(obj)
+
+        self.engine.propose(outcome, done)
+
+    def _confirm(self, obj: dict, req: ConfirmRequest, respond: Respond) -> None:
+        outcome = self.store.decide_confirm(req)
+        if outcome is None:
+            obj["code"] = 0  # an unknown id is not an error (queue_server)
+            respond(obj)
+            return
+        if type(outcome) is str:
+            respond(error_response(outcome, obj))
+            return
+
+        def done(result: object, error: str | None) -> None:
+            if error is not None:
+                respond(error_response(error, obj))
+                return
+            obj["code"] = 0
+            respond(obj)
+
+        self.engine.propose(outcome, done)
+
+    # -- reads -------------------------------------------------------------
+
+    def node_info(self) -> dict:
+        """This node's replication state, as monitor reports it."""
+        status = self.engine.status()
+        leader = self.engine.leader()
+        leader_id = leader.node_id if leader else 0
+        return {
+            "node_id": self.config.node_id,
+            "leader_node_id": leader_id,
+            "leader_id": leader_id,  # queue_server's name for the same field
+            "role": status.role,
+            "vote_id": status.vote_id,
+            "trans_id": status.trans_id,
+            "commit_id": status.commit_id,
+            "applied_id": status.applied_id,
+            "log_size": status.log_size,
+            "max_log_size": self.config.log_size,
+            "queue_count": len(self.store.queues),
+        }
+
+    def _monitor(self, obj: dict, req: MonitorRequest, now_ms: int) -> dict:
+        obj.update(self.node_info())
+        if req.queue is not None:
+            obj["max_size"] = self.config.queue_size
+            queue = self.store.get(req.queue)
+            if queue is None:
+                obj.update(size=0, max_id=0, wait_status=0, ready=0, delayed=0, in_flight=0)
+            else:
+                ready, delayed, in_flight = queue.counts(now_ms)
+                obj.update(size=len(queue), max_id=queue.max_id,
+                           wait_status=queue.wait_status(now_ms), ready=ready,
+                           delayed=delayed, in_flight=in_flight)
+        obj["code"] = 0
+        return obj
+
+    def _list(self, obj: dict, req: ListRequest, now_ms: int) -> dict:
+        pattern = req.pattern
+        items = [{"name": name, "size": len(q), "wait_status": q.wait_status(now_ms)}
+                 for name, q in sorted(self.store.queues.items()) if pattern in name]
+        obj["queue_list"] = items
+        obj["queue_count"] = len(items)
+        obj["node_id"] = self.config.node_id
+        obj["code"] = 0
+        return obj
+
+    def _leader(self, obj: dict) -> dict:
+        leader = self.engine.leader()
+        if leader is None:
+            return error_response("no leader", obj)
+        obj.update(code=0, leader_node_id=leader.node_id, leader_host=leader.host,
+                   leader_port=leader.port)
+        return obj

@@ -1,0 +1,355 @@
+"""The queue state machine: messages, the pending index and the retry index.
+
+Theory of operation
+-------------------
+A `Store` holds named `Queue`s. A queue holds its messages in a dict by
+msg_id and indexes every message in exactly one of two sorted lists:
+
+- `pending`: messages waiting for their ready time (the produce's `delay`),
+  keyed by ready time;
+- `retrying`: messages delivered at-least-once and not yet confirmed, keyed
+  by the time at which they become deliverable again (the retry deadline).
+
+A key is one int, `time_ms << 64 | msg_id`, so that both lists sort by time
+and then by id (FIFO among messages with the same time) without allocating
+a tuple per message.
+
+Two steps change state, and they are kept apart on purpose:
+
+1. `decide(request, now_ms)` runs on the master only. It reads the state and
+   the clock and returns either a reply (nothing to change: an empty
+   consume, a full queue, a bad time) or an `Entry` that records every
+   decision: the msg_id, the absolute times, which message a consume
+   delivered and its new retry deadline.
+2. `apply(entry)` runs on every node, for every entry, in log order. It reads
+   no clock: replaying the same entries gives the same state on any node.
+
+The master applies its own entry right after deciding it (so that the next
+decision sees it); the replication layer decides when the client hears.
+
+Rules (queue_server's semantics, see design.md section 1)
+- A consume delivers the message with the earliest time among the head of
+  `pending` (ready time <= now) and the head of `retrying` (deadline <= now).
+- retry = 0: the message is deleted when it is delivered (at-most-once).
+- retry > 0: it moves to `retrying` at now + retry, unless that deadline
+  reaches its ttl, in which case this delivery is the last and deletes it.
+- An expired message that was never delivered is still delivered once.
+- A confirm deletes the message wherever it is; an unknown id is not an error.
+- Queues come into being with their first produce (a logged entry), so every
+  node lists the same queues. Consuming or monitoring an unknown queue does
+  not create it.
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from sortedcontainers import SortedList
+
+from .entries import Confirm, Consume, Entry, Noop, Produce
+from .errors import InvariantError
+from .requests import (
+    RELATIVE_TIME_LIMIT_S,
+    ConfirmRequest,
+    ConsumeRequest,
+    ProduceRequest,
+)
+
+__all__ = ["Message", "Queue", "Store", "DEFAULT_TTL_MS", "WAIT_STATUS_SAMPLE"]
+
+_ID_BITS = 64
+_ID_MASK = (1 << _ID_BITS) - 1
+
+# queue_server's default lifetime for a message produced without ttl.
+DEFAULT_TTL_MS = 3_600_000
+
+# wait_status sums the waiting time of at most this many of the oldest ready
+# messages (queue_server's sample size): a cheap congestion signal.
+WAIT_STATUS_SAMPLE = 16
+# ...each counted for at most this many seconds, as queue_server did.
+WAIT_STATUS_CAP_S = 255
+
+
+class Message:
+    """One message; lives in exactly one of its queue's two indexes."""
+
+    __slots__ = ("data", "ready_ms", "ttl_ms", "retry_ms", "retry_at_ms")
+
+    def __init__(self, data: str, ready_ms: int, ttl_ms: int, retry_ms: int,
+                 retry_at_ms: int = 0) -> None:
+        self.data = data
+        self.ready_ms = ready_ms  # when first deliverable
+        self.ttl_ms = ttl_ms  # a delivery whose next retry reaches this is the last
+        self.retry_ms = retry_ms  # 0 = at-most-once
+        self.retry_at_ms = retry_at_ms  # 0 while pending, else its key time in `retrying`
+
+
+class Queue:
+    """A real queue: messages by id, plus the pending and retry indexes."""
+
+    __slots__ = ("name", "messages", "pending", "retrying", "max_id")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.messages: dict[int, Message] = {}  # every live message, by id
+        self.pending: SortedList = SortedList()  # keys of never-delivered messages
+        self.retrying: SortedList = SortedList()  # keys of delivered, unconfirmed messages
+        self.max_id = 0  # highest msg_id ever assigned; ids never repeat
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def next_due(self, now_ms: int) -> int | None:
+        """The msg_id a consume at `now_ms` delivers, or None. O(1)."""
+        pending, retrying = self.pending, self.retrying
+        limit = (now_ms + 1) << _ID_BITS  # every key with time <= now is below it
+        best = None
+        if pending:
+            key = pending[0]
+            if key < limit:
+                best = key
+        if retrying:
+            key = retrying[0]
+            if key < limit and (best is None or key < best):
+                best = key
+        return None if best is None else best & _ID_MASK
+
+    def counts(self, now_ms: int) -> tuple[int, int, int]:
+        """(ready, delayed, in_flight) at `now_ms`: deliverable now; waiting
+        for their delay; delivered, unconfirmed and not yet due again.
+        O(log n)."""
+        limit = (now_ms + 1) << _ID_BITS
+        pending_ready = self.pending.bisect_left(limit)
+        retry_due = self.retrying.bisect_left(limit)
+        return (pending_ready + retry_due, len(self.pending) - pending_ready,
+                len(self.retrying) - retry_due)
+
+    def wait_status(self, now_ms: int) -> int:
+        """queue_server's congestion figure: the seconds waited by the oldest
+        ready messages (at most 16, each capped at 255 s). O(1)."""
+        total = 0
+        limit = (now_ms + 1) << _ID_BITS
+        for key in self.pending.islice(0, WAIT_STATUS_SAMPLE):
+            if key >= limit:
+                break
+            waited_s = (now_ms - (key >> _ID_BITS)) // 1000
+            total += min(waited_s, WAIT_STATUS_CAP_S)
+        return total
+
+    def _check(self) -> None:
+        """Verify this queue's invariants; raises InvariantError."""
+        self.pending._check()
+        self.retrying._check()
+        if len(self.pending) + len(self.retrying) != len(self.messages):
+            raise InvariantError(f"queue {self.name}: index sizes "
+                                 f"{len(self.pending)}+{len(self.retrying)} != "
+                                 f"{len(self.messages)} messages")
+        for key in self.pending:
+            msg = self.messages.get(key & _ID_MASK)
+            if msg is None or msg.retry_at_ms or key >> _ID_BITS != msg.ready_ms:
+                raise InvariantError(f"queue {self.name}: stale pending key {key}")
+        for key in self.retrying:
+            msg = self.messages.get(key & _ID_MASK)
+            if msg is None or key >> _ID_BITS != msg.retry_at_ms:
+                raise InvariantError(f"queue {self.name}: stale retry key {key}")
+        for msg_id, msg in self.messages.items():
+            if not 0 < msg_id <= self.max_id:
+                raise InvariantError(f"queue {self.name}: id {msg_id} > max_id {self.max_id}")
+            if msg.retry_at_ms and not msg.retry_ms:
+                raise InvariantError(f"queue {self.name}: at-most-once message {msg_id} retrying")
+
+
+def _abs_ms(value_s: float, now_ms: int) -> int:
+    """Client seconds (absolute, or relative below 1e9) to absolute ms."""
+    if value_s < RELATIVE_TIME_LIMIT_S:
+        return now_ms + round(value_s * 1000)
+    return round(value_s * 1000)
+
+
+class Store:
+    """Every queue of a node, and the two steps that change them.
+
+    Args:
+        queue_size: the most messages one queue may hold; a produce into a
+            full queue is refused, nothing is dropped.
+        virtual_queues: name -> real queue names a produce fans out to.
+    """
+
+    def __init__(self, *, queue_size: int,
+                 virtual_queues: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.queue_size = queue_size
+        self.virtual_queues = {k: tuple(v) for k, v in (virtual_queues or {}).items()}
+        self.queues: dict[str, Queue] = {}  # created by their first produce entry
+        self.applied = 0  # entries applied; a cheap change counter for observers
+
+    # -- reads -----------------------------------------------------------
+
+    def get(self, name: str) -> Queue | None:
+        return self.queues.get(name)
+
+    def message_count(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    # -- step 1: decide (master only; reads the clock via now_ms) --------
+
+    def decide_produce(self, req: ProduceRequest, now_ms: int) -> Produce | str:
+        """Decide a produce: an entry, or the reason it is refused. O(k) for
+        k real queues."""
+        if req.delay_s is None:
+            ready_ms = now_ms
+        else:
+            ready_ms = _abs_ms(req.delay_s, now_ms)
+        ttl_ms = ready_ms + DEFAULT_TTL_MS if req.ttl_s is None else _abs_ms(req.ttl_s, now_ms)
+        if ttl_ms < ready_ms:
+            return "time error"
+        # A delay in the past means ready now; keeping FIFO order among
+        # ready messages needs the clamp.
+        if ready_ms < now_ms:
+            ready_ms = now_ms
+        names = self.virtual_queues.get(req.queue) or (req.queue,)
+        targets = []
+        queues = self.queues
+        for name in names:
+            queue = queues.get(name)
+            if queue is None:
+                targets.append((name, 1))
+            elif len(queue.messages) >= self.queue_size:
+                return f"queue full: {name}"
+            else:
+                targets.append((name, queue.max_id + 1))
+        return Produce(targets=tuple(targets), data=req.data, ready_ms=ready_ms,
+                       ttl_ms=ttl_ms, retry_ms=round(req.retry_s * 1000))
+
+    def decide_consume(self, req: ConsumeRequest, now_ms: int) -> Consume | str | None:
+        """Decide a consume: an entry, None when nothing is ready, or a
+        reason. O(1)."""
+        if req.queue in self.virtual_queues:
+            return "virtual queue only takes produce"
+        queue = self.queues.get(req.queue)
+        if queue is None:
+            return None
+        msg_id = queue.next_due(now_ms)
+        if msg_id is None:
+            return None
+        msg = queue.messages[msg_id]
+        retry_at_ms = 0
+        if msg.retry_ms:
+            retry_at_ms = now_ms + msg.retry_ms
+            if retry_at_ms >= msg.ttl_ms:
+                retry_at_ms = 0  # the last delivery before the ttl
+        return Consume(queue=req.queue, msg_id=msg_id, retry_at_ms=retry_at_ms)
+
+    def decide_confirm(self, req: ConfirmRequest) -> Confirm | str | None:
+        """Decide a confirm: an entry, or None when the id is unknown (not an
+        error, as in queue_server). O(1)."""
+        if req.queue in self.virtual_queues:
+            return "virtual queue only takes produce"
+        queue = self.queues.get(req.queue)
+        if queue is None or req.msg_id not in queue.messages:
+            return None
+        return Confirm(queue=req.queue, msg_id=req.msg_id)
+
+    # -- step 2: apply (every node, in log order; no clock) ---------------
+
+    def apply(self, entry: Entry) -> object:
+        """Apply one entry; returns what the client's answer needs.
+
+        Produce -> tuple of (queue, msg_id); Consume -> (msg_id, data);
+        Confirm -> True if a message was deleted; Noop -> None.
+        Cost: O(k log n) for a produce into k queues of n messages, O(log n)
+        otherwise. Raises InvariantError if the entry does not fit the state
+        (a gap or a fork in the log: never the client's fault).
+        """
+        self.applied += 1
+        kind = type(entry)
+        if kind is Produce:
+            return self._apply_produce(entry)
+        if kind is Consume:
+            return self._apply_consume(entry)
+        if kind is Confirm:
+            return self._apply_confirm(entry)
+        if kind is Noop:
+            return None
+        raise InvariantError(f"cannot apply {entry!r}")
+
+    def _apply_produce(self, entry: Produce) -> tuple:
+        queues = self.queues
+        ready_ms = entry.ready_ms
+        for name, msg_id in entry.targets:
+            queue = queues.get(name)
+            if queue is None:
+                queue = queues[name] = Queue(name)
+            if msg_id <= queue.max_id:
+                raise InvariantError(f"produce {name}/{msg_id} at or below max_id {queue.max_id}")
+            queue.max_id = msg_id
+            queue.messages[msg_id] = Message(entry.data, ready_ms, entry.ttl_ms, entry.retry_ms)
+            queue.pending.add(ready_ms << _ID_BITS | msg_id)
+        return entry.targets
+
+    def _apply_consume(self, entry: Consume) -> tuple[int, str]:
+        queue = self.queues.get(entry.queue)
+        msg = queue.messages.get(entry.msg_id) if queue is not None else None
+        if msg is None:
+            raise InvariantError(f"consume of missing message {entry.queue}/{entry.msg_id}")
+        msg_id = entry.msg_id
+        if msg.retry_at_ms:
+            queue.retrying.remove(msg.retry_at_ms << _ID_BITS | msg_id)
+        else:
+            queue.pending.remove(msg.ready_ms << _ID_BITS | msg_id)
+        if entry.retry_at_ms:
+            msg.retry_at_ms = entry.retry_at_ms
+            queue.retrying.add(entry.retry_at_ms << _ID_BITS | msg_id)
+        else:
+            del queue.messages[msg_id]
+        return msg_id, msg.data
+
+    def _apply_confirm(self, entry: Confirm) -> bool:
+        queue = self.queues.get(entry.queue)
+        if queue is None:
+            return False
+        msg = queue.messages.pop(entry.msg_id, None)
+        if msg is None:
+            return False
+        if msg.retry_at_ms:
+            queue.retrying.remove(msg.retry_at_ms << _ID_BITS | entry.msg_id)
+        else:
+            queue.pending.remove(msg.ready_ms << _ID_BITS | entry.msg_id)
+        return True
+
+    # -- whole-state views -------------------------------------------------
+
+    def to_wire(self) -> list:
+        """The whole state as a canonical, msgpack-friendly value: two stores
+        are equal iff their `to_wire()` values are. O(n)."""
+        out = []
+        for name in sorted(self.queues):
+            q = self.queues[name]
+            msgs = [[i, m.data, m.ready_ms, m.ttl_ms, m.retry_ms, m.retry_at_ms]
+                    for i, m in sorted(q.messages.items())]
+            out.append([name, q.max_id, msgs])
+        return out
+
+    def load_wire(self, state: list) -> None:
+        """Replace the state with one produced by `to_wire()`. O(n log n)."""
+        self.queues = {}
+        for name, max_id, msgs in state:
+            q = self.queues[name] = Queue(name)
+            q.max_id = max_id
+            pending, retrying = [], []
+            for msg_id, data, ready_ms, ttl_ms, retry_ms, retry_at_ms in msgs:
+                q.messages[msg_id] = Message(data, ready_ms, ttl_ms, retry_ms, retry_at_ms)
+                if retry_at_ms:
+                    retrying.append(retry_at_ms << _ID_BITS | msg_id)
+                else:
+                    pending.append(ready_ms << _ID_BITS | msg_id)
+            q.pending.update(pending)
+            q.retrying.update(retrying)
+
+    def _check(self) -> None:
+        """Verify every queue's invariants; raises InvariantError. O(n)."""
+        for name, queue in self.queues.items():
+            if name != queue.name:
+                raise InvariantError(f"queue {queue.name} filed under {name}")
+            queue._check()
