@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 async def _run(config: Config) -> int:
     from .server import Node
 
+    if config.storage_dir:
+        logging.getLogger("qserver").warning(
+            "%s: <storage dir=%s>: persistence is not implemented yet; "
+            "this node keeps everything in memory", config.source, config.storage_dir)
     node = Node(config)
     try:
         await node.start()
@@ -70,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config) if args.config else Config.default()
         except ConfigError as exc:
             print(f"qserver: config error: {exc}", file=sys.stderr)
+            return 2
+        if len(config.peers) > 1:
+            # Running each node of a cluster as its own master would split
+            # the data; refuse until the replication engine is in.
+            print(f"qserver: config error: {config.source}: <cluster>: {len(config.peers)} nodes "
+                  "configured, but this version runs a single node only", file=sys.stderr)
             return 2
         level = config.log_level
         if args.log_level:

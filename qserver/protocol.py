@@ -112,8 +112,13 @@ class StreamDecoder:
         for line in tail.split(b"\n"):
             if len(line) > self.max_size:
                 return None
-            if not line.strip(_WS):
+            stripped = line.strip(_WS)
+            if not stripped:
                 continue
+            if stripped[0] not in _OPEN:
+                # orjson would take a bare number, string or literal; the
+                # framer refuses it (a stream poison): let it judge.
+                return None
             try:
                 out.append(orjson.loads(line))
             except orjson.JSONDecodeError:

@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make run` and `make test`. Both create and
+# use a virtual environment in .venv (override with VENV=...).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+## run: one node on 127.0.0.1:1111 (no config file needed); Ctrl-C stops it
+run: $(STAMP)
+	$(VENV)/bin/qserver run $(if $(CONFIG),--config $(CONFIG))
+
+## test: the whole test suite
+test: $(STAMP)
+	$(PY) -m pytest
+
+## bench: throughput and latency of one node against the no-op floor
+bench: $(STAMP)
+	$(PY) bench/run_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

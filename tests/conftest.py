@@ -1,0 +1,36 @@
+import pytest
+
+from procs import NodeProcess, free_port, write_config
+
+
+@pytest.fixture
+def procs():
+    """Start qserver processes; every one is killed when the test ends."""
+    started: list[NodeProcess] = []
+
+    def start(tmp_path, extra: str = "", config_text: str | None = None, name: str = "node.xml"):
+        for attempt in range(3):  # a free port can be taken between asking and binding
+            port = free_port()
+            path = tmp_path / name
+            if config_text is None:
+                write_config(path, port, extra)
+            else:
+                path.write_text(config_text.replace("{port}", str(port)))
+            node = NodeProcess(path, port)
+            started.append(node)
+            try:
+                node.wait_ready()
+                return node
+            except RuntimeError as exc:
+                if "cannot listen" not in str(exc) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    yield start
+    for node in started:
+        node.kill()
+
+
+@pytest.fixture
+def node(procs, tmp_path):
+    return procs(tmp_path)
