@@ -125,7 +125,7 @@ _NAMED_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR,
 def log_level(value: str) -> int | None:
     """A log level from queue_server's number (0-7) or a name; None if bad."""
     value = value.strip().lower()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # int() refuses some isdigit() text ("\u00b2")
         return _NUMERIC_LEVELS.get(int(value))
     return _NAMED_LEVELS.get(value)
 

@@ -169,8 +169,10 @@ def _msg_id(obj: dict) -> int:
     value = obj.get("msg_id")
     if value is None:
         raise BadRequest("missing field: msg_id")
-    if type(value) is str and value.isdigit() and len(value) < 20:
-        value = int(value)  # some clients send ids as strings
+    # Some clients send ids as strings. isascii(): str.isdigit() also
+    # accepts digits int() refuses ("\u00b2") or reads oddly ("\u0663").
+    if type(value) is str and value.isascii() and value.isdigit() and len(value) < 20:
+        value = int(value)
     if type(value) is not int:
         raise BadRequest("msg_id must be an integer")
     if value < 1:
