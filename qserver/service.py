@@ -103,6 +103,9 @@ class Service:
         self.engine.propose(outcome, done)
 
     def _consume(self, obj: dict, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
+        # A client's own msg_id/data must not read back as a delivery.
+        obj.pop("msg_id", None)
+        obj.pop("data", None)
         outcome = self.store.decide_consume(req, now_ms)
         if outcome is None:
             obj["code"] = 0

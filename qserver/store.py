@@ -65,6 +65,10 @@ _ID_MASK = (1 << _ID_BITS) - 1
 # queue_server's default lifetime for a message produced without ttl.
 DEFAULT_TTL_MS = 3_600_000
 
+# Undo record tags (see Store.apply's `undo` and Store.revert).
+_UNPRODUCE = "unproduce"  # (tag, queue, msg_id, previous max_id, queue created)
+_RESTORE = "restore"  # (tag, queue, msg_id, Message, its retry_at_ms before)
+
 # wait_status sums the waiting time of at most this many of the oldest ready
 # messages (queue_server's sample size): a cheap congestion signal.
 WAIT_STATUS_SAMPLE = 16
@@ -138,6 +142,13 @@ class Queue:
             total += min(waited_s, WAIT_STATUS_CAP_S)
         return total
 
+    def unindex(self, msg_id: int, msg: Message) -> None:
+        """Remove a message's key from whichever index holds it. O(log n)."""
+        if msg.retry_at_ms:
+            self.retrying.remove(msg.retry_at_ms << _ID_BITS | msg_id)
+        else:
+            self.pending.remove(msg.ready_ms << _ID_BITS | msg_id)
+
     def _check(self) -> None:
         """Verify this queue's invariants; raises InvariantError."""
         self.pending._check()
@@ -182,7 +193,6 @@ class Store:
         self.queue_size = queue_size
         self.virtual_queues = {k: tuple(v) for k, v in (virtual_queues or {}).items()}
         self.queues: dict[str, Queue] = {}  # created by their first produce entry
-        self.applied = 0  # entries applied; a cheap change counter for observers
 
     # -- reads -----------------------------------------------------------
 
@@ -253,51 +263,56 @@ class Store:
 
     # -- step 2: apply (every node, in log order; no clock) ---------------
 
-    def apply(self, entry: Entry) -> object:
+    def apply(self, entry: Entry, undo: list | None = None) -> object:
         """Apply one entry; returns what the client's answer needs.
 
         Produce -> tuple of (queue, msg_id); Consume -> (msg_id, data);
         Confirm -> True if a message was deleted; Noop -> None.
+        With `undo`, appends what `revert(undo)` needs to take the entry
+        back (the master keeps this until the entry commits).
         Cost: O(k log n) for a produce into k queues of n messages, O(log n)
         otherwise. Raises InvariantError if the entry does not fit the state
         (a gap or a fork in the log: never the client's fault).
         """
-        self.applied += 1
         kind = type(entry)
         if kind is Produce:
-            return self._apply_produce(entry)
+            return self._apply_produce(entry, undo)
         if kind is Consume:
-            return self._apply_consume(entry)
+            return self._apply_consume(entry, undo)
         if kind is Confirm:
-            return self._apply_confirm(entry)
+            return self._apply_confirm(entry, undo)
         if kind is Noop:
             return None
         raise InvariantError(f"cannot apply {entry!r}")
 
-    def _apply_produce(self, entry: Produce) -> tuple:
+    def _apply_produce(self, entry: Produce, undo: list | None) -> tuple:
         queues = self.queues
         ready_ms = entry.ready_ms
         for name, msg_id in entry.targets:
             queue = queues.get(name)
             if queue is None:
                 queue = queues[name] = Queue(name)
+                created = True
+            else:
+                created = False
             if msg_id <= queue.max_id:
                 raise InvariantError(f"produce {name}/{msg_id} at or below max_id {queue.max_id}")
+            if undo is not None:
+                undo.append((_UNPRODUCE, name, msg_id, queue.max_id, created))
             queue.max_id = msg_id
             queue.messages[msg_id] = Message(entry.data, ready_ms, entry.ttl_ms, entry.retry_ms)
             queue.pending.add(ready_ms << _ID_BITS | msg_id)
         return entry.targets
 
-    def _apply_consume(self, entry: Consume) -> tuple[int, str]:
+    def _apply_consume(self, entry: Consume, undo: list | None) -> tuple[int, str]:
         queue = self.queues.get(entry.queue)
         msg = queue.messages.get(entry.msg_id) if queue is not None else None
         if msg is None:
             raise InvariantError(f"consume of missing message {entry.queue}/{entry.msg_id}")
         msg_id = entry.msg_id
-        if msg.retry_at_ms:
-            queue.retrying.remove(msg.retry_at_ms << _ID_BITS | msg_id)
-        else:
-            queue.pending.remove(msg.ready_ms << _ID_BITS | msg_id)
+        if undo is not None:
+            undo.append((_RESTORE, entry.queue, msg_id, msg, msg.retry_at_ms))
+        queue.unindex(msg_id, msg)
         if entry.retry_at_ms:
             msg.retry_at_ms = entry.retry_at_ms
             queue.retrying.add(entry.retry_at_ms << _ID_BITS | msg_id)
@@ -305,18 +320,42 @@ class Store:
             del queue.messages[msg_id]
         return msg_id, msg.data
 
-    def _apply_confirm(self, entry: Confirm) -> bool:
+    def _apply_confirm(self, entry: Confirm, undo: list | None) -> bool:
         queue = self.queues.get(entry.queue)
         if queue is None:
             return False
         msg = queue.messages.pop(entry.msg_id, None)
         if msg is None:
             return False
-        if msg.retry_at_ms:
-            queue.retrying.remove(msg.retry_at_ms << _ID_BITS | entry.msg_id)
-        else:
-            queue.pending.remove(msg.ready_ms << _ID_BITS | entry.msg_id)
+        if undo is not None:
+            undo.append((_RESTORE, entry.queue, entry.msg_id, msg, msg.retry_at_ms))
+        queue.unindex(entry.msg_id, msg)
         return True
+
+    def revert(self, undo: list) -> None:
+        """Take back the entries whose undo records are in `undo` (filled by
+        `apply(entry, undo)`), newest first. O(k log n)."""
+        queues = self.queues
+        for op in reversed(undo):
+            if op[0] is _UNPRODUCE:
+                _, name, msg_id, prev_max_id, created = op
+                queue = queues[name]
+                msg = queue.messages.pop(msg_id)
+                queue.unindex(msg_id, msg)
+                queue.max_id = prev_max_id
+                if created:
+                    del queues[name]
+            else:
+                _, name, msg_id, msg, retry_at_ms = op
+                queue = queues[name]
+                if msg_id in queue.messages:
+                    queue.unindex(msg_id, msg)
+                msg.retry_at_ms = retry_at_ms
+                queue.messages[msg_id] = msg
+                if retry_at_ms:
+                    queue.retrying.add(retry_at_ms << _ID_BITS | msg_id)
+                else:
+                    queue.pending.add(msg.ready_ms << _ID_BITS | msg_id)
 
     # -- whole-state views -------------------------------------------------
 

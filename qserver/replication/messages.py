@@ -1,0 +1,229 @@
+"""Messages between nodes of the native engine, and their wire form.
+
+Every message names the sender (`node_id`) and the sender's election epoch
+(`vote_id`). A message is a frozen dataclass inside the node; on the wire it
+is a msgpack list `[tag, field, ...]`. `message_from_wire` validates
+everything a peer sends: a malformed message is a peer fault (ValueError),
+never applied.
+
+This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..entries import Record, record_from_wire, record_to_wire
+
+__all__ = [
+    "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
+    "Forward", "ForwardReply", "Message", "message_to_wire", "message_from_wire",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """Sent when a link comes up: where clients reach the sender."""
+
+    vote_id: int
+    node_id: int
+    client_host: str
+    client_port: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ping:
+    """A non-master's liveness beat: keeps the majority count honest and
+    tells peers whom the sender follows and how far its log goes."""
+
+    vote_id: int
+    node_id: int
+    leader_id: int  # 0 = none known
+    last_vote_id: int
+    last_trans_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VoteRequest:
+    """A candidate's ballot: (last_vote_id, last_trans_id), vote_id, node_id.
+
+    `pre`: a pre-vote, asking "would you vote for me at `vote_id`?" without
+    changing anyone's state, so that a node cut off from the master cannot
+    push the epoch up and depose a healthy master when it comes back.
+    """
+
+    vote_id: int
+    node_id: int
+    last_vote_id: int
+    last_trans_id: int
+    pre: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VoteReply:
+    vote_id: int
+    node_id: int
+    granted: bool
+    pre: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """The master's state machine at its commit position, for a slave whose
+    log ends before the master's retained log begins."""
+
+    vote_id: int
+    node_id: int
+    trans_id: int  # the state covers every entry up to here
+    log_vote_id: int  # vote_id of the entry at trans_id
+    state: list  # Store.to_wire()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Push:
+    """Records from the master, continuing the log after (prev_vote_id,
+    prev_trans_id). With no records it is the master's heartbeat."""
+
+    vote_id: int
+    node_id: int
+    prev_vote_id: int
+    prev_trans_id: int
+    records: tuple[Record, ...]
+    commit_id: int  # the master's commit position
+    last_trans_id: int  # the master's last trans_id: a slave behind it pulls
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushReply:
+    """A slave's answer to a continuous Push: its log matches the master's
+    up to `match_id`."""
+
+    vote_id: int
+    node_id: int
+    match_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pull:
+    """A slave asks for the records after its entry (log_vote_id, trans_id),
+    because a Push did not continue its log."""
+
+    vote_id: int
+    node_id: int
+    trans_id: int
+    log_vote_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    """A client request relayed by a slave to the master."""
+
+    vote_id: int
+    node_id: int
+    request_id: int  # the slave's handle for the answer
+    request: dict
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardReply:
+    vote_id: int
+    node_id: int
+    request_id: int
+    response: dict
+
+
+Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Snapshot
+           | Forward | ForwardReply)
+
+
+def message_to_wire(msg: Message) -> list:
+    """Encode a message as a msgpack-friendly list."""
+    t = type(msg)
+    if t is Push:
+        return [5, msg.vote_id, msg.node_id, msg.prev_vote_id, msg.prev_trans_id,
+                [record_to_wire(r) for r in msg.records], msg.commit_id, msg.last_trans_id]
+    if t is Hello:
+        return [1, msg.vote_id, msg.node_id, msg.client_host, msg.client_port]
+    if t is Ping:
+        return [2, msg.vote_id, msg.node_id, msg.leader_id, msg.last_vote_id, msg.last_trans_id]
+    if t is VoteRequest:
+        return [3, msg.vote_id, msg.node_id, msg.last_vote_id, msg.last_trans_id, msg.pre]
+    if t is VoteReply:
+        return [4, msg.vote_id, msg.node_id, msg.granted, msg.pre]
+    if t is Snapshot:
+        return [10, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id, msg.state]
+    if t is PushReply:
+        return [6, msg.vote_id, msg.node_id, msg.match_id]
+    if t is Pull:
+        return [7, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id]
+    if t is Forward:
+        return [8, msg.vote_id, msg.node_id, msg.request_id, msg.request]
+    if t is ForwardReply:
+        return [9, msg.vote_id, msg.node_id, msg.request_id, msg.response]
+    raise TypeError(f"not a message: {msg!r}")
+
+
+def _n(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer")
+    return value
+
+
+def _bool(value: object, what: str) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{what} must be a bool")
+    return value
+
+
+def message_from_wire(obj: object) -> Message:
+    """Decode and validate a peer's message; raises ValueError."""
+    if not isinstance(obj, (list, tuple)) or len(obj) < 3:
+        raise ValueError("message must be a list [tag, vote_id, node_id, ...]")
+    tag, vote_id, node_id = obj[0], _n(obj[1], "vote_id"), _n(obj[2], "node_id")
+    n = len(obj)
+    if tag == 5 and n == 8:
+        if not isinstance(obj[5], (list, tuple)):
+            raise ValueError("push records must be a list")
+        records = tuple(record_from_wire(r) for r in obj[5])
+        prev = _n(obj[4], "prev_trans_id")
+        for i, r in enumerate(records):
+            if r.trans_id != prev + 1 + i:
+                raise ValueError("push records are not consecutive")
+        return Push(vote_id=vote_id, node_id=node_id, prev_vote_id=_n(obj[3], "prev_vote_id"),
+                    prev_trans_id=prev, records=records, commit_id=_n(obj[6], "commit_id"),
+                    last_trans_id=_n(obj[7], "last_trans_id"))
+    if tag == 1 and n == 5:
+        if type(obj[3]) is not str:
+            raise ValueError("client_host must be a string")
+        return Hello(vote_id=vote_id, node_id=node_id, client_host=obj[3],
+                     client_port=_n(obj[4], "client_port"))
+    if tag == 2 and n == 6:
+        return Ping(vote_id=vote_id, node_id=node_id, leader_id=_n(obj[3], "leader_id"),
+                    last_vote_id=_n(obj[4], "last_vote_id"), last_trans_id=_n(obj[5], "last_trans_id"))
+    if tag == 3 and n == 6:
+        return VoteRequest(vote_id=vote_id, node_id=node_id, last_vote_id=_n(obj[3], "last_vote_id"),
+                           last_trans_id=_n(obj[4], "last_trans_id"), pre=_bool(obj[5], "pre"))
+    if tag == 4 and n == 5:
+        return VoteReply(vote_id=vote_id, node_id=node_id, granted=_bool(obj[3], "granted"),
+                         pre=_bool(obj[4], "pre"))
+    if tag == 10 and n == 6:
+        if not isinstance(obj[5], (list, tuple)):
+            raise ValueError("snapshot state must be a list")
+        return Snapshot(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
+                        log_vote_id=_n(obj[4], "log_vote_id"), state=obj[5])
+    if tag == 6 and n == 4:
+        return PushReply(vote_id=vote_id, node_id=node_id, match_id=_n(obj[3], "match_id"))
+    if tag == 7 and n == 5:
+        return Pull(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
+                    log_vote_id=_n(obj[4], "log_vote_id"))
+    if tag == 8 and n == 5:
+        if type(obj[4]) is not dict:
+            raise ValueError("forwarded request must be a map")
+        return Forward(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
+                       request=obj[4])
+    if tag == 9 and n == 5:
+        if type(obj[4]) is not dict:
+            raise ValueError("forwarded response must be a map")
+        return ForwardReply(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
+                            response=obj[4])
+    raise ValueError(f"unknown message tag {tag!r} with {n} fields")

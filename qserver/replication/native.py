@@ -1,0 +1,671 @@
+"""The native replication engine: queue_server's design, made safe.
+
+Theory of operation
+-------------------
+Each node runs one `NativeCore`. It takes events in (`tick(now_ms)`,
+`step(msg, now_ms)`, `propose(entry, done)`, `link_up(peer)`) and collects
+what the node must do in a `Ready` (`take_ready()`): persist the vote,
+persist the log change, send messages, then answer clients, in that order.
+It never reads a clock, a socket or a random source of its own: time comes
+in as `now_ms`, randomness from the `random.Random` it is given.
+
+Roles. An odd number of nodes; a node is SLAVE, CANDIDATE or MASTER. There is
+at most one master per `vote_id` (the election epoch).
+
+Election (ballot = (last entry's vote_id, last entry's trans_id), vote_id,
+node_id, compared in that order). A slave that has not heard from a master
+for a randomized election timeout first asks for pre-votes at vote_id + 1;
+nobody changes state for a pre-vote. With a majority of pre-votes it starts
+the real election: vote_id + 1, a vote for itself (persisted before anything
+is sent), and a VoteRequest to every peer. A voter grants at most one vote
+per vote_id (persisted before the reply), only to a candidate whose log
+position is at least its own (the up-to-date rule: comparing the last
+entry's epoch first is what stops a deposed master with a longer but older
+log from winning), and never while it hears from a live master. A majority
+of votes makes the candidate master; it appends a Noop so that entries of
+earlier epochs commit. A master that has not heard from a majority within an
+election timeout steps down.
+
+Replication (push, then pull). The master appends each proposed entry to its
+log under its vote_id and applies it to its store at once, keeping an undo
+record until the entry commits, so that the next decision sees it. Everything
+appended in one turn is pushed as one `Push` to each slave that is in step,
+with the position of the entry before it. A slave whose log continues at that
+position appends (replacing any conflicting uncommitted suffix) and answers
+`PushReply(match_id)`. Otherwise it ignores the batch and sends `Pull` with
+a position of its log; the master answers with the records after the last
+common position it can find, as many as the slave's `sync_rate` budget
+allows. A slave whose log ends before the master's retained log receives a
+`Snapshot`.
+
+Commit. The master's commit position is the highest trans_id stored on a
+majority whose entry carries the current vote_id (or any entry before it).
+Slaves apply only committed entries. In quorum mode a client is answered
+when its entry commits; in async mode as soon as it is appended (what
+queue_server did: faster, and the last entries can be lost on failover).
+A master that steps down before its entries commit answers their clients
+with an error ("outcome unknown"), rolls back nothing yet, and undoes them
+only if the new master's log truncates them.
+
+Invariants (checked by the simulated-network tests after every delivery):
+at most one master per vote_id; a master holds every committed entry; two
+logs with the same (vote_id, trans_id) entry are identical up to it; every
+node applies the same entries in the same order.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..entries import Entry, Noop, Record
+from ..errors import InvariantError
+from ..log import Log
+from ..store import Store
+from .base import Done, EngineStatus, LeaderInfo
+from .messages import (
+    Hello,
+    Message,
+    Ping,
+    Pull,
+    Push,
+    PushReply,
+    Snapshot,
+    VoteReply,
+    VoteRequest,
+)
+
+__all__ = ["Role", "Timing", "Ready", "NativeCore", "OUTCOME_UNKNOWN"]
+
+OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
+
+# The most records one Push may carry, whatever the sync_rate budget: keeps
+# one message (and one event-loop turn on both ends) small.
+MAX_BATCH_RECORDS = 2_000
+
+
+class Role(enum.Enum):
+    SLAVE = "slave"
+    CANDIDATE = "candidate"
+    MASTER = "master"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timing:
+    """Protocol timers, in ms. An election timeout is drawn uniformly from
+    [election_ms, 2 * election_ms)."""
+
+    heartbeat_ms: int = 100  # master heartbeat and slave ping period
+    election_ms: int = 1000  # no master heard for this long -> elect
+    pull_retry_ms: int = 300  # a repeated pull of the same position waits this long
+
+
+@dataclass(slots=True)
+class Ready:
+    """What the node must do, in this order: persist `vote`, persist the log
+    change (`truncate_after`, then `records`), send `messages`, run
+    `answers`."""
+
+    vote: tuple[int, int] | None = None  # (vote_id, voted_for) to persist
+    truncate_after: int | None = None  # drop persisted records after this trans_id
+    records: list[Record] = field(default_factory=list)  # to append to the log on disk
+    snapshot: tuple[int, int] | None = None  # (trans_id, vote_id) of a snapshot installed
+    messages: list[tuple[int, Message]] = field(default_factory=list)  # (to node_id, message)
+    answers: list[Callable[[], None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.vote or self.truncate_after is not None or self.records
+                    or self.snapshot or self.messages or self.answers)
+
+
+class _Peer:
+    """What the master (and everyone) knows about one other node."""
+
+    __slots__ = ("node_id", "heard_ms", "sent_upto", "match_id", "acked_ms", "tokens",
+                 "client", "pending_pull")
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.heard_ms = -1  # last time any message came from it
+        self.sent_upto = 0  # master: last trans_id sent to it (optimistic)
+        self.match_id = 0  # master: highest trans_id known to match our log
+        self.acked_ms = -1  # master: last reply to our pushes (check-quorum)
+        self.tokens = 0.0  # master: pull budget in records (sync_rate)
+        self.client: LeaderInfo | None = None  # its client address (from Hello)
+        self.pending_pull: Pull | None = None  # master: a pull waiting for budget
+
+
+class NativeCore:
+    """One node's replication state machine (see the module docstring)."""
+
+    def __init__(self, *, node_id: int, peer_ids: list[int], store: Store, log: Log,
+                 me: LeaderInfo, rng: random.Random, now_ms: int, timing: Timing = Timing(),
+                 async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
+                 vote_id: int = 0, voted_for: int = 0) -> None:
+        self.node_id = node_id
+        self.me = me
+        self.peers: dict[int, _Peer] = {p: _Peer(p) for p in peer_ids if p != node_id}
+        self.quorum = (len(self.peers) + 1) // 2 + 1  # a majority of all nodes
+        self.store = store
+        self.log = log
+        self.rng = rng
+        self.timing = timing
+        self.async_mode = async_mode
+        self.sync_rate = sync_rate
+        self.log_size = log_size
+        self.vote_id = vote_id  # current epoch; persisted with voted_for
+        self.voted_for = voted_for  # whom we voted for in vote_id (0: nobody)
+        self.role = Role.SLAVE
+        self.leader_id = 0  # master of vote_id as far as we know (0: none)
+        self.commit_id = log.base_trans_id  # highest committed trans_id known
+        self.applied_id = log.base_trans_id  # highest trans_id applied to the store
+        self.undo: deque[tuple[int, list]] = deque()  # (trans_id, undo ops) of applied, uncommitted entries
+        self.waiting: dict[int, tuple[int, Done, object]] = {}  # trans_id -> (vote_id, done, result)
+        self.votes: set[int] = set()  # votes (or pre-votes) granted to us this round
+        self.pre_voting = False  # collecting pre-votes, not yet a candidate
+        self.master_heard_ms = -(10 ** 12)  # last time a live master spoke to us
+        self.leader_last = 0  # the master's last trans_id, from its pushes
+        self.became_master_ms = 0
+        self.pushed_upto = log.last_trans_id  # master: last trans_id pushed to in-step slaves
+        self.last_pull: tuple[int, int] | None = None  # (trans_id, vote_id) of our last pull
+        self.pull_due_ms = 0
+        self.heartbeat_due_ms = now_ms
+        self.election_due_ms = now_ms + self._election_timeout()
+        self.refill_ms = now_ms  # last sync_rate budget refill
+        self.ready = Ready()
+
+    # -- queries -----------------------------------------------------------
+
+    @property
+    def is_master(self) -> bool:
+        return self.role is Role.MASTER
+
+    def leader(self) -> LeaderInfo | None:
+        if self.role is Role.MASTER:
+            return self.me
+        peer = self.peers.get(self.leader_id)
+        return peer.client if peer is not None else None
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(role=self.role.value, vote_id=self.vote_id,
+                            trans_id=self.log.last_trans_id, commit_id=self.commit_id,
+                            applied_id=self.applied_id, log_size=len(self.log))
+
+    def slaves(self) -> list[dict]:
+        """Per slave: match position and lag (meaningful on the master)."""
+        last = self.log.last_trans_id
+        return [{"node_id": p.node_id, "match_id": p.match_id, "lag": last - p.match_id}
+                for p in sorted(self.peers.values(), key=lambda p: p.node_id)]
+
+    def connected_count(self, now_ms: int) -> int:
+        """Nodes (us included) heard from within an election timeout."""
+        horizon = now_ms - self.timing.election_ms
+        return 1 + sum(1 for p in self.peers.values() if p.heard_ms >= horizon)
+
+    def next_deadline(self) -> int:
+        """The time at which `tick` has something to do."""
+        if self.role is Role.MASTER:
+            due = self.heartbeat_due_ms
+            if any(p.pending_pull for p in self.peers.values()):
+                due = min(due, self.refill_ms + 10)
+            return due
+        due = min(self.election_due_ms, self.heartbeat_due_ms)
+        if self.leader_id and self.leader_last > self.log.last_trans_id:
+            due = min(due, self.pull_due_ms)
+        return due
+
+    def take_ready(self) -> Ready:
+        """Hand over what must be done, and start collecting afresh."""
+        if self.role is Role.MASTER and self.log.last_trans_id > self.pushed_upto:
+            self._push_new()
+        ready, self.ready = self.ready, Ready()
+        return ready
+
+    # -- inputs ------------------------------------------------------------
+
+    def propose(self, entry: Entry, done: Done) -> None:
+        """Append and apply `entry` (master only); `done` runs when it
+        commits (quorum) or once persisted (async)."""
+        if self.role is not Role.MASTER:
+            done(None, "not master")
+            return
+        record = self.log.append_entry(entry, self.vote_id)
+        result = self._apply_speculative(record)
+        self.ready.records.append(record)
+        if self.async_mode:
+            self.ready.answers.append(lambda: done(result, None))
+        else:
+            self.waiting[record.trans_id] = (self.vote_id, done, result)
+        if not self.peers:
+            self._maybe_commit()
+
+    def link_up(self, peer_id: int) -> None:
+        """A link to `peer_id` came up: introduce ourselves."""
+        if peer_id in self.peers:
+            self._send(peer_id, Hello(vote_id=self.vote_id, node_id=self.node_id,
+                                      client_host=self.me.host, client_port=self.me.port))
+
+    def tick(self, now_ms: int) -> None:
+        """Advance timers to `now_ms`."""
+        if self.role is Role.MASTER:
+            self._refill(now_ms)
+            for peer in self.peers.values():
+                if peer.pending_pull is not None and peer.tokens >= 1:
+                    pull, peer.pending_pull = peer.pending_pull, None
+                    self._serve_pull(peer, pull, now_ms)
+            if now_ms >= self.heartbeat_due_ms:
+                self.heartbeat_due_ms = now_ms + self.timing.heartbeat_ms
+                for peer in self.peers.values():
+                    self._send_push(peer, peer.sent_upto, ())
+            # Check-quorum: a master cut off from the majority steps down.
+            if now_ms - self.became_master_ms >= self.timing.election_ms:
+                horizon = now_ms - self.timing.election_ms
+                acked = 1 + sum(1 for p in self.peers.values() if p.acked_ms >= horizon)
+                if acked < self.quorum:
+                    self._become_slave(now_ms, leader_id=0)
+            return
+        if now_ms >= self.heartbeat_due_ms:
+            self.heartbeat_due_ms = now_ms + self.timing.heartbeat_ms
+            vote, last = self.log.last_position()
+            ping = Ping(vote_id=self.vote_id, node_id=self.node_id, leader_id=self.leader_id,
+                        last_vote_id=vote, last_trans_id=last)
+            for peer_id in self.peers:
+                self._send(peer_id, ping)
+        if now_ms >= self.election_due_ms:
+            self.election_due_ms = now_ms + self._election_timeout()
+            if self.connected_count(now_ms) >= self.quorum:
+                self._start_pre_vote(now_ms)
+        if self.leader_id and self.leader_last > self.log.last_trans_id:
+            self._maybe_pull(now_ms)
+
+    def step(self, msg: Message, now_ms: int) -> None:
+        """Take one message from a peer."""
+        peer = self.peers.get(msg.node_id)
+        if peer is None:
+            return  # not one of our peers: ignore (the link layer drops them too)
+        peer.heard_ms = now_ms
+        t = type(msg)
+        if t is Hello:
+            peer.client = LeaderInfo(node_id=msg.node_id, host=msg.client_host, port=msg.client_port)
+        if t is VoteRequest:
+            self._handle_vote_request(peer, msg, now_ms)
+            return
+        if msg.vote_id > self.vote_id and not (t is VoteReply and msg.pre):
+            # A newer epoch exists: whatever we were, we follow it now. (A
+            # pre-vote reply names the epoch we asked about, not a real one.)
+            self._set_vote(msg.vote_id, 0)
+            leader = msg.node_id if t is Push or t is Snapshot else 0
+            self._become_slave(now_ms, leader_id=leader)
+        if t is Push:
+            self._handle_push(peer, msg, now_ms)
+        elif t is PushReply:
+            self._handle_push_reply(peer, msg, now_ms)
+        elif t is Pull:
+            self._handle_pull(peer, msg, now_ms)
+        elif t is VoteReply:
+            self._handle_vote_reply(peer, msg, now_ms)
+        elif t is Snapshot:
+            self._handle_snapshot(peer, msg, now_ms)
+        # Ping and Hello only refresh what we know of the peer (above); we
+        # learn the master from its own push, never from hearsay.
+
+    # -- elections ---------------------------------------------------------
+
+    def _election_timeout(self) -> int:
+        e = self.timing.election_ms
+        return e + self.rng.randrange(e)
+
+    def _hears_master(self, now_ms: int) -> bool:
+        if self.role is Role.MASTER:
+            return True
+        return self.leader_id != 0 and now_ms - self.master_heard_ms < self.timing.election_ms
+
+    def _ballot_ok(self, msg: VoteRequest) -> bool:
+        return (msg.last_vote_id, msg.last_trans_id) >= self.log.last_position()
+
+    def _start_pre_vote(self, now_ms: int) -> None:
+        self.pre_voting = True
+        self.votes = {self.node_id}
+        if len(self.votes) >= self.quorum:
+            self._start_election(now_ms)
+            return
+        vote, last = self.log.last_position()
+        req = VoteRequest(vote_id=self.vote_id + 1, node_id=self.node_id, last_vote_id=vote,
+                          last_trans_id=last, pre=True)
+        for peer_id in self.peers:
+            self._send(peer_id, req)
+
+    def _start_election(self, now_ms: int) -> None:
+        self.pre_voting = False
+        self._set_vote(self.vote_id + 1, self.node_id)
+        self.role = Role.CANDIDATE
+        self.leader_id = 0
+        self.votes = {self.node_id}
+        self.election_due_ms = now_ms + self._election_timeout()
+        if len(self.votes) >= self.quorum:
+            self._become_master(now_ms)
+            return
+        vote, last = self.log.last_position()
+        req = VoteRequest(vote_id=self.vote_id, node_id=self.node_id, last_vote_id=vote,
+                          last_trans_id=last, pre=False)
+        for peer_id in self.peers:
+            self._send(peer_id, req)
+
+    def _handle_vote_request(self, peer: _Peer, msg: VoteRequest, now_ms: int) -> None:
+        if msg.pre:
+            granted = (msg.vote_id > self.vote_id and not self._hears_master(now_ms)
+                       and self._ballot_ok(msg))
+            self._send(peer.node_id, VoteReply(vote_id=msg.vote_id, node_id=self.node_id,
+                                               granted=granted, pre=True))
+            return
+        if msg.vote_id < self.vote_id or self._hears_master(now_ms):
+            self._send(peer.node_id, VoteReply(vote_id=self.vote_id, node_id=self.node_id,
+                                               granted=False, pre=False))
+            return
+        if msg.vote_id > self.vote_id:
+            self._set_vote(msg.vote_id, 0)
+            self._become_slave(now_ms, leader_id=0)
+        granted = self.voted_for in (0, msg.node_id) and self._ballot_ok(msg)
+        if granted:
+            if self.voted_for != msg.node_id:
+                self._set_vote(self.vote_id, msg.node_id)  # persisted before the reply goes out
+            self.election_due_ms = now_ms + self._election_timeout()
+        self._send(peer.node_id, VoteReply(vote_id=self.vote_id, node_id=self.node_id,
+                                           granted=granted, pre=False))
+
+    def _handle_vote_reply(self, peer: _Peer, msg: VoteReply, now_ms: int) -> None:
+        if not msg.granted:
+            return
+        if msg.pre:
+            if self.pre_voting and self.role is Role.SLAVE and msg.vote_id == self.vote_id + 1:
+                self.votes.add(peer.node_id)
+                if len(self.votes) >= self.quorum:
+                    self._start_election(now_ms)
+            return
+        if self.role is Role.CANDIDATE and msg.vote_id == self.vote_id:
+            self.votes.add(peer.node_id)
+            if len(self.votes) >= self.quorum:
+                self._become_master(now_ms)
+
+    def _become_master(self, now_ms: int) -> None:
+        self.role = Role.MASTER
+        self.leader_id = self.node_id
+        self.pre_voting = False
+        self.became_master_ms = now_ms
+        last = self.log.last_trans_id
+        for peer in self.peers.values():
+            peer.sent_upto = last
+            peer.match_id = 0
+            peer.acked_ms = now_ms
+            peer.tokens = float(self.sync_rate)
+            peer.pending_pull = None
+        self.refill_ms = now_ms
+        # Our decisions must see the whole log: apply what is not yet applied.
+        while self.applied_id < last:
+            self._apply_speculative(self.log.get(self.applied_id + 1))
+        self.pushed_upto = last
+        self.heartbeat_due_ms = now_ms  # announce at once
+        # A Noop in our epoch commits every earlier entry with it.
+        record = self.log.append_entry(Noop(), self.vote_id)
+        self._apply_speculative(record)
+        self.ready.records.append(record)
+        if not self.peers:
+            self._maybe_commit()
+
+    def _become_slave(self, now_ms: int, *, leader_id: int) -> None:
+        was_master = self.role is Role.MASTER
+        self.role = Role.SLAVE
+        self.pre_voting = False
+        self.leader_id = leader_id
+        self.election_due_ms = now_ms + self._election_timeout()
+        if was_master:
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for _vote, done, _result in waiting.values():
+            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+
+    def _set_vote(self, vote_id: int, voted_for: int) -> None:
+        self.vote_id, self.voted_for = vote_id, voted_for
+        self.ready.vote = (vote_id, voted_for)
+
+    # -- replication: master side ------------------------------------------
+
+    def _send(self, peer_id: int, msg: Message) -> None:
+        self.ready.messages.append((peer_id, msg))
+
+    def _send_push(self, peer: _Peer, prev: int, records: tuple[Record, ...] | list) -> None:
+        prev_vote = self.log.vote_id_at(prev)
+        if prev_vote is None:  # compacted past what it was sent: restart from the base
+            prev, prev_vote, records = self.log.base_trans_id, self.log.base_vote_id, ()
+        self._send(peer.node_id, Push(vote_id=self.vote_id, node_id=self.node_id,
+                                      prev_vote_id=prev_vote, prev_trans_id=prev,
+                                      records=tuple(records), commit_id=self.commit_id,
+                                      last_trans_id=self.log.last_trans_id))
+
+    def _push_new(self) -> None:
+        """Push everything appended since the last push to in-step slaves."""
+        start = self.pushed_upto
+        last = self.log.last_trans_id
+        records = None
+        for peer in self.peers.values():
+            if peer.sent_upto == start:
+                if records is None:
+                    records = tuple(self.log.slice(start + 1, last - start))
+                self._send_push(peer, start, records)
+                peer.sent_upto = last
+        self.pushed_upto = last
+
+    def _handle_push_reply(self, peer: _Peer, msg: PushReply, now_ms: int) -> None:
+        if self.role is not Role.MASTER or msg.vote_id != self.vote_id:
+            return
+        peer.acked_ms = now_ms
+        if msg.match_id > peer.match_id:
+            peer.match_id = min(msg.match_id, self.log.last_trans_id)
+            self._maybe_commit()
+
+    def _refill(self, now_ms: int) -> None:
+        elapsed = now_ms - self.refill_ms
+        if elapsed <= 0:
+            return
+        self.refill_ms = now_ms
+        add = elapsed * self.sync_rate / 1000.0
+        cap = float(max(self.sync_rate, 1))
+        for peer in self.peers.values():
+            peer.tokens = min(cap, peer.tokens + add)
+
+    def _handle_pull(self, peer: _Peer, msg: Pull, now_ms: int) -> None:
+        if self.role is not Role.MASTER or msg.vote_id > self.vote_id:
+            return
+        peer.acked_ms = now_ms
+        self._refill(now_ms)
+        if peer.tokens < 1:
+            peer.pending_pull = msg  # answered by tick when the budget allows
+            return
+        self._serve_pull(peer, msg, now_ms)
+
+    def _serve_pull(self, peer: _Peer, msg: Pull, now_ms: int) -> None:
+        log = self.log
+        t = msg.trans_id
+        if t < log.base_trans_id:
+            self._send_snapshot(peer)
+            return
+        if log.vote_id_at(t) == msg.log_vote_id:
+            common = t
+        else:
+            # The slave's entry at t is not ours: step back past the run of
+            # entries of our epoch at that point; the slave checks the match.
+            common = min(t, log.last_trans_id)
+            if common == t:
+                common -= 1
+            while common > log.base_trans_id and log.vote_id_at(common) > msg.log_vote_id:
+                common -= 1
+        budget = int(min(peer.tokens, MAX_BATCH_RECORDS))
+        records = log.slice(common + 1, budget)
+        peer.tokens -= len(records)
+        self._send_push(peer, common, records)
+        peer.sent_upto = common + len(records)
+
+    def _send_snapshot(self, peer: _Peer) -> None:
+        """Send the state at our commit position (undoing and redoing our
+        uncommitted entries around the dump so that it holds no guess)."""
+        trans_id = self.commit_id
+        vote = self.log.vote_id_at(trans_id)
+        if vote is None:
+            return  # cannot happen: we keep every record after the commit point
+        redo = [r for r in (self.log.get(i) for i in range(trans_id + 1, self.applied_id + 1))]
+        self._rollback_to(trans_id)
+        state = self.store.to_wire()
+        for record in redo:
+            self._apply_speculative(record)
+        self._send(peer.node_id, Snapshot(vote_id=self.vote_id, node_id=self.node_id,
+                                          trans_id=trans_id, log_vote_id=vote, state=state))
+        peer.sent_upto = trans_id
+
+    def _maybe_commit(self) -> None:
+        if self.role is not Role.MASTER:
+            return
+        matches = sorted([self.log.last_trans_id] + [p.match_id for p in self.peers.values()],
+                         reverse=True)
+        candidate = matches[self.quorum - 1]
+        if candidate <= self.commit_id:
+            return
+        if self.log.vote_id_at(candidate) != self.vote_id:
+            return  # only an entry of our own epoch commits by counting (Raft's rule)
+        self._commit_to(candidate)
+
+    def _commit_to(self, commit_id: int) -> None:
+        self.commit_id = commit_id
+        undo = self.undo
+        while undo and undo[0][0] <= commit_id:
+            undo.popleft()
+        while self.applied_id < commit_id:
+            record = self.log.get(self.applied_id + 1)
+            self.store.apply(record.entry)
+            self.applied_id = record.trans_id
+        if self.waiting:
+            for trans_id in sorted(t for t in self.waiting if t <= commit_id):
+                vote, done, result = self.waiting.pop(trans_id)
+                ok = self.log.vote_id_at(trans_id) == vote
+                self.ready.answers.append(
+                    (lambda done=done, result=result: done(result, None)) if ok
+                    else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
+        if len(self.log) > self.log_size:
+            self.log.compact(self.log_size, min(commit_id, self.applied_id))
+
+    def _apply_speculative(self, record: Record) -> object:
+        ops: list = []
+        result = self.store.apply(record.entry, ops)
+        self.undo.append((record.trans_id, ops))
+        self.applied_id = record.trans_id
+        return result
+
+    def _rollback_to(self, trans_id: int) -> None:
+        """Undo applied entries after `trans_id` (all uncommitted)."""
+        if trans_id < self.commit_id:
+            raise InvariantError(f"rollback to {trans_id} below commit {self.commit_id}")
+        undo = self.undo
+        while self.applied_id > trans_id:
+            if not undo or undo[-1][0] != self.applied_id:
+                raise InvariantError(f"no undo record for applied entry {self.applied_id}")
+            _, ops = undo.pop()
+            self.store.revert(ops)
+            self.applied_id -= 1
+
+    # -- replication: slave side -------------------------------------------
+
+    def _handle_push(self, peer: _Peer, msg: Push, now_ms: int) -> None:
+        if msg.vote_id < self.vote_id:
+            # A deposed master: tell it our epoch so that it steps down.
+            self._send(peer.node_id, PushReply(vote_id=self.vote_id, node_id=self.node_id,
+                                               match_id=0))
+            return
+        if self.role is not Role.SLAVE or self.leader_id != msg.node_id:
+            self._become_slave(now_ms, leader_id=msg.node_id)
+        self.master_heard_ms = now_ms
+        self.election_due_ms = now_ms + self._election_timeout()
+        self.leader_last = msg.last_trans_id
+        log = self.log
+        prev, records = msg.prev_trans_id, msg.records
+        if prev < log.base_trans_id:
+            # Records we already hold in our snapshot: skip them.
+            skip = log.base_trans_id - prev
+            if skip > len(records):
+                self._maybe_pull(now_ms)
+                return
+            if skip:
+                if records[skip - 1].vote_id != log.base_vote_id:
+                    raise InvariantError("master's record at our snapshot base differs")
+                records = records[skip:]
+                prev = log.base_trans_id
+        if log.vote_id_at(prev) != msg.prev_vote_id:
+            self._maybe_pull(now_ms, near=prev)
+            return
+        for record in records:
+            mine = log.get(record.trans_id)
+            if mine is not None:
+                if mine.vote_id == record.vote_id:
+                    continue
+                self._truncate_after(record.trans_id - 1)
+            log.append(record)
+            self.ready.records.append(record)
+        match = prev + len(records)
+        self._send(peer.node_id, PushReply(vote_id=self.vote_id, node_id=self.node_id, match_id=match))
+        commit = min(msg.commit_id, match)
+        if commit > self.commit_id:
+            self._commit_to(commit)
+        if self.leader_last > log.last_trans_id:
+            self._maybe_pull(now_ms)
+
+    def _truncate_after(self, trans_id: int) -> None:
+        if trans_id < self.commit_id:
+            raise InvariantError(f"truncating committed entries after {trans_id} (commit {self.commit_id})")
+        if self.applied_id > trans_id:
+            self._rollback_to(trans_id)
+        for t in [t for t in self.waiting if t > trans_id]:
+            _vote, done, _result = self.waiting.pop(t)
+            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+        self.log.truncate_after(trans_id)
+        r = self.ready
+        r.records = [rec for rec in r.records if rec.trans_id <= trans_id]
+        r.truncate_after = trans_id if r.truncate_after is None else min(r.truncate_after, trans_id)
+
+    def _maybe_pull(self, now_ms: int, near: int | None = None) -> None:
+        """Ask the master for records after a position of our log: our last
+        one, or the one at `near` when a push did not match there."""
+        if not self.leader_id:
+            return
+        t = self.log.last_trans_id if near is None else min(near, self.log.last_trans_id)
+        t = max(t, self.log.base_trans_id)
+        position = (t, self.log.vote_id_at(t) or 0)
+        if position == self.last_pull and now_ms < self.pull_due_ms:
+            return
+        self.last_pull = position
+        self.pull_due_ms = now_ms + self.timing.pull_retry_ms
+        self._send(self.leader_id, Pull(vote_id=self.vote_id, node_id=self.node_id,
+                                        trans_id=position[0], log_vote_id=position[1]))
+
+    def _handle_snapshot(self, peer: _Peer, msg: Snapshot, now_ms: int) -> None:
+        if msg.vote_id < self.vote_id:
+            return
+        self.master_heard_ms = now_ms
+        self.election_due_ms = now_ms + self._election_timeout()
+        if msg.trans_id <= self.commit_id:
+            return  # we already have all of it
+        self.store.load_wire(msg.state)
+        self.undo.clear()
+        for _t, (_vote, done, _result) in list(self.waiting.items()):
+            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+        self.waiting.clear()
+        self.log.records.clear()
+        self.log.base_trans_id, self.log.base_vote_id = msg.trans_id, msg.log_vote_id
+        self.commit_id = self.applied_id = msg.trans_id
+        self.ready.records = []
+        self.ready.truncate_after = None
+        self.ready.snapshot = (msg.trans_id, msg.log_vote_id)
+        self.last_pull = None
+        self._maybe_pull(now_ms)
