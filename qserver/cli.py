@@ -44,8 +44,7 @@ async def _run(config: Config) -> int:
     try:
         await node.start()
     except OSError as exc:
-        logging.getLogger("qserver").error("cannot listen on %s:%d: %s", config.host, config.port,
-                                            exc.strerror or exc)
+        logging.getLogger("qserver").error("cannot listen: %s", exc.strerror or exc)
         return 1
     loop = asyncio.get_running_loop()
     signals = 0
@@ -74,12 +73,6 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config) if args.config else Config.default()
         except ConfigError as exc:
             print(f"qserver: config error: {exc}", file=sys.stderr)
-            return 2
-        if len(config.peers) > 1:
-            # Running each node of a cluster as its own master would split
-            # the data; refuse until the replication engine is in.
-            print(f"qserver: config error: {config.source}: <cluster>: {len(config.peers)} nodes "
-                  "configured, but this version runs a single node only", file=sys.stderr)
             return 2
         level = config.log_level
         if args.log_level:

@@ -177,9 +177,19 @@ class Node:
         self.config = config
         self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
         self.log = Log()
-        me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
-        self.engine = LocalEngine(store=self.store, log=self.log, me=me, log_size=config.log_size)
+        if len(config.peers) > 1:
+            from .cluster import ClusterEngine
+
+            self.engine = ClusterEngine(config=config, store=self.store, log_=self.log)
+        else:
+            me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+            self.engine = LocalEngine(store=self.store, log=self.log, me=me,
+                                      log_size=config.log_size)
         self.service = Service(config=config, store=self.store, engine=self.engine)
+        if hasattr(self.engine, "handle_forwarded"):
+            handle = self.service.handle
+            self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
+                                                                          forwarded=True)
         self.connections: set[ClientTcpProtocol] = set()
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
@@ -205,8 +215,16 @@ class Node:
         except OSError:
             self._tcp.close()
             raise
-        log.info("qserver node %d serving on %s:%d (tcp+udp), engine %s, mode %s",
-                 cfg.node_id, host, port, "single-node", cfg.mode.value)
+        if hasattr(self.engine, "start"):
+            try:
+                await self.engine.start()
+            except OSError:
+                self._tcp.close()
+                self._udp.close()
+                raise
+        log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
+                 f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
+                 else "single node")
 
     async def serve(self) -> None:
         """Run until `stop()`; then shut down in order."""
@@ -229,6 +247,8 @@ class Node:
         for c in list(self.connections):
             if c.transport is not None:
                 c.transport.close()
+        if hasattr(self.engine, "close"):
+            await self.engine.close()
         if self._tcp is not None:
             await self._tcp.wait_closed()
         log.info("qserver node %d stopped", self.config.node_id)

@@ -54,14 +54,22 @@ class Service:
         self.store = store
         self.engine = engine
 
-    def handle(self, obj: object, now_ms: int, respond: Respond) -> None:
-        """Answer one decoded request (any JSON value) through `respond`."""
+    def handle(self, obj: object, now_ms: int, respond: Respond, *, forwarded: bool = False) -> None:
+        """Answer one decoded request (any JSON value) through `respond`.
+
+        `forwarded`: the request came from a slave; if this node is not the
+        master either, it is answered "no leader" rather than relayed again.
+        """
         try:
             req = parse_request(obj)
         except BadRequest as exc:
             respond(error_response(exc.reason, obj))
             return
         kind = type(req)
+        if (not self.engine.is_master and kind is not LeaderRequest
+                and not ((kind is MonitorRequest or kind is ListRequest) and req.local)):
+            self._not_master(obj, respond, forwarded)
+            return
         if kind is ProduceRequest:
             self._produce(obj, req, now_ms, respond)
         elif kind is ConsumeRequest:
@@ -78,6 +86,25 @@ class Service:
             respond(error_response("not support", obj))
         else:  # parse_request returns only the types above
             respond(error_response("invalid action", obj))
+
+    def _not_master(self, obj: dict, respond: Respond, forwarded: bool) -> None:
+        """A request for the master reached a slave: relay it, or redirect."""
+        if forwarded:
+            respond(error_response("no leader", obj))
+        elif self.config.forward_request:
+            if not self.engine.forward(obj, respond):
+                respond(error_response("no leader", obj))
+        else:
+            leader = self.engine.leader()
+            if leader is None:
+                respond(error_response("no leader", obj))
+                return
+            obj.pop("data", None)
+            # leader_* are ours; master_* are what queue_server's clients read.
+            obj.update(code=-2, reason="redirect", leader_node_id=leader.node_id,
+                       leader_host=leader.host, leader_port=leader.port,
+                       master_host=leader.host, master_port=leader.port)
+            respond(obj)
 
     # -- writes ------------------------------------------------------------
 
@@ -151,7 +178,7 @@ class Service:
         status = self.engine.status()
         leader = self.engine.leader()
         leader_id = leader.node_id if leader else 0
-        return {
+        info = {
             "node_id": self.config.node_id,
             "leader_node_id": leader_id,
             "leader_id": leader_id,  # queue_server's name for the same field
@@ -164,6 +191,9 @@ class Service:
             "max_log_size": self.config.log_size,
             "queue_count": len(self.store.queues),
         }
+        if status.role == "master" and hasattr(self.engine, "slaves"):
+            info["slaves"] = self.engine.slaves()
+        return info
 
     def _monitor(self, obj: dict, req: MonitorRequest, now_ms: int) -> dict:
         obj.update(self.node_info())

@@ -60,3 +60,7 @@ class Engine(Protocol):
         """Replicate `entry` (master only); call `done` when it is decided."""
 
     def status(self) -> EngineStatus: ...
+
+    def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
+        """Relay a client request to the master (slaves only); False when no
+        master is reachable, in which case `respond` is never called."""

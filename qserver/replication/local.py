@@ -42,6 +42,9 @@ class LocalEngine:
             self.log.compact(self.log_size, record.trans_id)
         done(result, None)
 
+    def forward(self, request: dict, respond) -> bool:
+        return False  # always master: nothing to forward to
+
     def status(self) -> EngineStatus:
         last = self.log.last_trans_id
         return EngineStatus(role="master", vote_id=self.vote_id, trans_id=last,
