@@ -143,3 +143,93 @@ class UdpClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def cluster_config(node_id: int, client_ports: list[int], internal_ports: list[int],
+                   secret: str | None = "test-secret", extra: str = "") -> str:
+    nodes = "\n".join(f'    <node id="{i + 1}" host="127.0.0.1" port="{p}"/>'
+                      for i, p in enumerate(internal_ports))
+    secret_attr = f' secret="{secret}"' if secret else ""
+    return (f'<config>\n  <node_info node_id="{node_id}" host="127.0.0.1" '
+            f'port="{client_ports[node_id - 1]}"/>\n'
+            f'  <cluster{secret_attr}>\n{nodes}\n  </cluster>\n{extra}</config>\n')
+
+
+class Cluster:
+    """A local cluster of real `qserver run` processes on free ports."""
+
+    def __init__(self, tmp_path: Path, n: int = 3, extra: str = "",
+                 secrets: list[str | None] | None = None) -> None:
+        self.tmp_path = tmp_path
+        self.n = n
+        ports: set[int] = set()
+        while len(ports) < 2 * n:
+            ports.add(free_port())
+        ports_l = sorted(ports)
+        self.client_ports = ports_l[:n]
+        self.internal_ports = ports_l[n:]
+        self.extra = extra
+        self.secrets = secrets or ["test-secret"] * n
+        self.nodes: dict[int, NodeProcess] = {}
+
+    def config_path(self, node_id: int) -> Path:
+        path = self.tmp_path / f"node{node_id}.xml"
+        path.write_text(cluster_config(node_id, self.client_ports, self.internal_ports,
+                                       self.secrets[node_id - 1], self.extra))
+        return path
+
+    def start(self, node_id: int, wait: bool = True) -> NodeProcess:
+        node = NodeProcess(self.config_path(node_id), self.client_ports[node_id - 1])
+        self.nodes[node_id] = node
+        if wait:
+            node.wait_ready()
+        return node
+
+    def start_all(self) -> None:
+        for i in range(1, self.n + 1):
+            self.start(i, wait=False)
+        for node in self.nodes.values():
+            node.wait_ready()
+
+    def kill(self, node_id: int) -> None:
+        self.nodes[node_id].kill()
+
+    def stop_all(self) -> None:
+        for node in self.nodes.values():
+            node.kill()
+
+    def port(self, node_id: int) -> int:
+        return self.client_ports[node_id - 1]
+
+    def ask(self, node_id: int, **fields) -> dict | None:
+        """One request to one node over a fresh TCP connection; None if down."""
+        try:
+            c = TcpClient(self.port(node_id))
+            c.sock.settimeout(5)
+            try:
+                return c.request(**fields)
+            finally:
+                c.close()
+        except (OSError, ConnectionError, ValueError):
+            return None
+
+    def master(self, alive: list[int] | None = None) -> int | None:
+        """The node every live node agrees is master and that says so itself."""
+        ids = alive or [i for i, p in self.nodes.items() if p.proc.poll() is None]
+        roles = {i: self.ask(i, action=104) for i in ids}
+        masters = [i for i, r in roles.items() if r and r.get("role") == "master"]
+        if len(masters) != 1:
+            return None
+        m = masters[0]
+        if all(r and r.get("leader_node_id") == m for r in roles.values()):
+            return m
+        return None
+
+    def wait_master(self, deadline_s: float = 30.0, alive: list[int] | None = None) -> int:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            m = self.master(alive)
+            if m is not None:
+                return m
+            time.sleep(0.05)
+        raise TimeoutError("no master agreed on before the deadline")

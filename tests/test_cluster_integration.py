@@ -1,0 +1,184 @@
+"""Real three-node clusters on loopback: election, forwarding, redirects,
+kill -9 of the master under load, catch-up, authentication."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from procs import Cluster, TcpClient, UdpClient
+
+DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
+
+
+def wait_until(predicate, deadline_s: float = DEADLINE_S, step_s: float = 0.05):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise AssertionError("condition not met before the deadline")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    clusters: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(tmp_path, **kw)
+        clusters.append(c)
+        c.start_all()
+        return c
+
+    yield make
+    for c in clusters:
+        c.stop_all()
+
+
+def test_slaves_forward_tcp_and_udp_to_the_master(cluster):
+    c = cluster()
+    m = c.wait_master()
+    slaves = [i for i in range(1, 4) if i != m]
+    tcp = TcpClient(c.port(slaves[0]))
+    r = tcp.request(action=1, queue="fwd", data="over tcp", seq=9)
+    assert r["code"] == 0 and r["msg_id"] == 1 and r["seq"] == 9
+    udp = UdpClient(c.port(slaves[1]))
+    r = udp.request(action=1, queue="fwd", data="over udp", seq=10)
+    assert r["code"] == 0 and r["msg_id"] == 2 and r["seq"] == 10
+    got = udp.request(action=2, queue="fwd")
+    assert (got["msg_id"], got["data"]) == (1, "over tcp")
+    mon = tcp.request(action=4, queue="fwd")  # forwarded: the master's view
+    assert mon["role"] == "master" and mon["node_id"] == m and mon["size"] == 1
+    assert {s["node_id"] for s in mon["slaves"]} == set(slaves)
+    local = tcp.request(action=104)  # node-local: the slave's own view
+    assert local["role"] == "slave" and local["node_id"] == slaves[0]
+    assert local["leader_node_id"] == m
+    # every node applies the same committed entries
+    wait_until(lambda: all((c.ask(i, action=104) or {}).get("commit_id") == mon["commit_id"]
+                           for i in range(1, 4)))
+
+
+def test_redirect_when_forwarding_is_off(cluster):
+    c = cluster(extra='<replication forward_request="0"/>\n')
+    m = c.wait_master()
+    slave = next(i for i in range(1, 4) if i != m)
+    r = TcpClient(c.port(slave)).request(action=1, queue="r", data="x", seq=3)
+    assert r["code"] == -2 and r["seq"] == 3 and "data" not in r
+    assert (r["leader_node_id"], r["leader_host"], r["leader_port"]) == (m, "127.0.0.1", c.port(m))
+    assert (r["master_host"], r["master_port"]) == ("127.0.0.1", c.port(m))
+    r = UdpClient(c.port(slave)).request(action=2, queue="r")
+    assert r["code"] == -2 and r["leader_port"] == c.port(m)
+    # the master itself serves
+    assert TcpClient(c.port(m)).request(action=1, queue="r", data="x")["code"] == 0
+
+
+class Producer(threading.Thread):
+    """Produces distinct messages through any node until stopped, keeping a
+    record of every acknowledged (msg_id, data)."""
+
+    def __init__(self, c: Cluster) -> None:
+        super().__init__(daemon=True)
+        self.c = c
+        self.acked: dict[int, str] = {}
+        self.stop_flag = threading.Event()
+        self.errors = 0
+
+    def run(self) -> None:
+        i = 0
+        node = 1
+        client = None
+        while not self.stop_flag.is_set():
+            i += 1
+            data = f"m-{i}"
+            try:
+                if client is None:
+                    client = TcpClient(self.c.port(node))
+                    client.sock.settimeout(5)
+                r = client.request(action=1, queue="load", data=data, retry=60)
+            except (OSError, ConnectionError, ValueError):
+                r = None
+            if r is not None and r.get("code") == 0:
+                self.acked[r["msg_id"]] = data
+                continue
+            self.errors += 1
+            if client is not None:
+                client.close()
+                client = None
+            node = node % self.c.n + 1
+            time.sleep(0.02)
+        if client is not None:
+            client.close()
+
+
+def drain(c: Cluster, node: int, queue: str) -> dict[int, str]:
+    client = TcpClient(c.port(node))
+    got: dict[int, str] = {}
+    while True:
+        r = client.request(action=2, queue=queue)
+        assert r["code"] == 0, r
+        if "msg_id" not in r:
+            return got
+        assert r["msg_id"] not in got, "delivered twice while draining"
+        got[r["msg_id"]] = r["data"]
+        client.request(action=3, queue=queue, msg_id=r["msg_id"])
+
+
+def test_kill_master_under_load_loses_no_acknowledged_write(cluster):
+    c = cluster()
+    m = c.wait_master()
+    producer = Producer(c)
+    producer.start()
+    wait_until(lambda: len(producer.acked) >= 200)
+    before_kill = len(producer.acked)
+    c.kill(m)
+    killed_at = time.monotonic()
+    alive = [i for i in range(1, 4) if i != m]
+    new_master = c.wait_master(alive=alive)
+    assert new_master != m
+    # the new master serves writes
+    wait_until(lambda: (c.ask(new_master, action=1, queue="probe", data="p") or {}).get("code") == 0)
+    failover_s = time.monotonic() - killed_at
+    wait_until(lambda: len(producer.acked) >= before_kill + 200)
+    producer.stop_flag.set()
+    producer.join(30)
+    got = drain(c, new_master, "load")
+    missing = {i: d for i, d in producer.acked.items() if got.get(i) != d}
+    assert not missing, f"acknowledged writes lost or changed: {sorted(missing)[:10]}"
+    assert len(set(got.values())) == len(got), "one produce stored twice"
+    print(f"failover to a serving master took {failover_s:.2f}s; "
+          f"{len(producer.acked)} acknowledged writes all present")
+
+
+def test_restarted_node_catches_up(cluster):
+    c = cluster()
+    m = c.wait_master()
+    victim = next(i for i in range(1, 4) if i != m)
+    c.kill(victim)
+    client = TcpClient(c.port(m))
+    for k in range(300):
+        assert client.request(action=1, queue="cu", data=f"d{k}")["code"] == 0
+    c.start(victim)
+    master_trans = client.request(action=104)["trans_id"]
+    wait_until(lambda: (c.ask(victim, action=104) or {}).get("applied_id", 0) >= master_trans)
+    mine = c.ask(victim, action=104, queue="cu")
+    theirs = c.ask(m, action=104, queue="cu")
+    assert (mine["size"], mine["max_id"]) == (theirs["size"], theirs["max_id"]) == (300, 300)
+
+
+def test_node_with_wrong_secret_cannot_join(cluster):
+    c = cluster(secrets=["right", "right", "wrong"])
+    m = c.wait_master(alive=[1, 2])
+    assert m in (1, 2)
+    assert c.ask(m, action=1, queue="s", data="x")["code"] == 0
+    time.sleep(1.0)  # give the outsider time to (fail to) learn anything
+    outsider = c.ask(3, action=104)
+    assert outsider["leader_node_id"] == 0 and outsider["role"] != "master"
+    assert outsider["trans_id"] == 0
+    r = c.ask(3, action=1, queue="s", data="from outside")
+    assert r["code"] == -1 and r["reason"] == "no leader"
+    mon = c.ask(m, action=4, queue="s")
+    assert mon["size"] == 1
+    assert [s["connected"] for s in mon["slaves"] if s["node_id"] == 3] == [False]
