@@ -10,6 +10,9 @@ replication code never re-check a field.
 The raw JSON object is kept by the caller, because queue_server's clients
 expect the response to echo the request's fields (they match `seq`).
 
+Request types are NamedTuples (immutable, like the house style's frozen
+dataclasses, but built in half the time on the per-request hot path).
+
 Times stay as the client sent them (seconds, absolute or relative below
 1e9); the master converts them to absolute milliseconds in `Store.decide()`,
 with its own clock, so that a request forwarded from a slave is timed once.
@@ -18,7 +21,7 @@ with its own clock, so that a request forwarded from a slave is timed once.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import BadRequest
 
@@ -68,8 +71,7 @@ MAX_TIME_S = 253_402_300_799
 RELATIVE_TIME_LIMIT_S = 1_000_000_000
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProduceRequest:
+class ProduceRequest(NamedTuple):
     queue: str
     data: str
     delay_s: float | None  # None = now
@@ -77,36 +79,30 @@ class ProduceRequest:
     retry_s: float  # 0 = at-most-once
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ConsumeRequest:
+class ConsumeRequest(NamedTuple):
     queue: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ConfirmRequest:
+class ConfirmRequest(NamedTuple):
     queue: str
     msg_id: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MonitorRequest:
+class MonitorRequest(NamedTuple):
     queue: str | None  # None = node information only
     local: bool  # action 104: answered from this node's own state
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListRequest:
+class ListRequest(NamedTuple):
     pattern: str  # substring; "" matches every queue
     local: bool  # action 107
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LeaderRequest:
-    pass
+class LeaderRequest(NamedTuple):
+    """Action 8: where the master is."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UnsupportedRequest:
+class UnsupportedRequest(NamedTuple):
     """Actions 5 (config) and 6 (clear): queue_server answered "not support"."""
 
     action: int

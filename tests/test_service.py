@@ -150,7 +150,7 @@ def test_virtual_queue_produce_names_every_message():
                     "msg_id": 3, "msg_ids": {"a": 3, "b": 1, "c": 2}}
     for name, msg_id in resp["msg_ids"].items():
         queue = node.store.get(name)
-        assert queue.messages[msg_id].data == "fan"
+        assert queue.messages[msg_id][0] == "fan"  # (data, ready_ms, ttl_ms, retry_ms, retry_at_ms)
     assert node.store.get("v") is None  # the virtual name is not a real queue
 
 

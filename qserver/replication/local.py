@@ -11,7 +11,7 @@ This module does no I/O.
 from __future__ import annotations
 
 from ..entries import Entry
-from ..log import Log
+from ..log import COMPACT_SLACK, Log
 from ..store import Store
 from .base import Done, EngineStatus, LeaderInfo
 
@@ -38,7 +38,7 @@ class LocalEngine:
     def propose(self, entry: Entry, done: Done) -> None:
         record = self.log.append_entry(entry, self.vote_id)
         result = self.store.apply(record.entry)
-        if len(self.log) > self.log_size:
+        if len(self.log) > self.log_size + COMPACT_SLACK:
             self.log.compact(self.log_size, record.trans_id)
         done(result, None)
 

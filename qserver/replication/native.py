@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 from ..entries import Entry, Noop, Record
 from ..errors import InvariantError
-from ..log import Log
+from ..log import COMPACT_SLACK, Log
 from ..store import Store
 from .base import Done, EngineStatus, LeaderInfo
 from .messages import (
@@ -276,6 +276,10 @@ class NativeCore:
                 self._send(peer_id, ping)
         if now_ms >= self.election_due_ms:
             self.election_due_ms = now_ms + self._election_timeout()
+            if self.role is Role.CANDIDATE:
+                # Our election failed (split vote): start over as a slave,
+                # or the pre-vote replies below would be ignored for good.
+                self.role = Role.SLAVE
             if self.connected_count(now_ms) >= self.quorum:
                 self._start_pre_vote(now_ms)
         if self.leader_id and self.leader_last > self.log.last_trans_id:
@@ -504,6 +508,11 @@ class NativeCore:
                 common -= 1
             while common > log.base_trans_id and log.vote_id_at(common) > msg.log_vote_id:
                 common -= 1
+        if common < log.base_trans_id:
+            # The slave's entry at our base (committed, compacted) differs:
+            # a push from before the base cannot exist, only a snapshot helps.
+            self._send_snapshot(peer)
+            return
         budget = int(min(peer.tokens, MAX_BATCH_RECORDS))
         records = log.slice(common + 1, budget)
         peer.tokens -= len(records)
@@ -554,7 +563,7 @@ class NativeCore:
                 self.ready.answers.append(
                     (lambda done=done, result=result: done(result, None)) if ok
                     else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
-        if len(self.log) > self.log_size:
+        if len(self.log) > self.log_size + COMPACT_SLACK:
             self.log.compact(self.log_size, min(commit_id, self.applied_id))
 
     def _apply_speculative(self, record: Record) -> object:
@@ -620,6 +629,12 @@ class NativeCore:
             self._commit_to(commit)
         if self.leader_last > log.last_trans_id:
             self._maybe_pull(now_ms)
+        elif log.last_trans_id > match and msg.last_trans_id > match:
+            # We hold entries after `match` that this master has not
+            # confirmed (it lost track of us, e.g. by answering a stale
+            # pull): without a pull our commit_id would wait for the next
+            # client write.
+            self._maybe_pull(now_ms, near=match)
 
     def _truncate_after(self, trans_id: int) -> None:
         if trans_id < self.commit_id:
@@ -656,6 +671,14 @@ class NativeCore:
         self.election_due_ms = now_ms + self._election_timeout()
         if msg.trans_id <= self.commit_id:
             return  # we already have all of it
+        if self.log.vote_id_at(msg.trans_id) == msg.log_vote_id:
+            # Our log holds the snapshot's last entry, hence (log matching)
+            # all of it; it may hold more that the master already counted
+            # for a commit (a late snapshot, overtaken by pushes): keep it.
+            self._commit_to(msg.trans_id)
+            if self.leader_last > self.log.last_trans_id:
+                self._maybe_pull(now_ms)
+            return
         self.store.load_wire(msg.state)
         self.undo.clear()
         for _t, (_vote, done, _result) in list(self.waiting.items()):
