@@ -88,8 +88,12 @@ class Log:
         return None if r is None else r.vote_id
 
     def slice(self, start: int, limit: int) -> list[Record]:
-        """At most `limit` records from trans_id `start` on. O(limit)."""
-        i = max(start - self.base_trans_id - 1, 0)
+        """At most `limit` records from trans_id `start` on. O(limit).
+        Raises InvariantError if `start` is compacted away: a caller that
+        needs those records must send a snapshot, never skip them."""
+        if start <= self.base_trans_id:
+            raise InvariantError(f"slice from {start}: compacted up to {self.base_trans_id}")
+        i = start - self.base_trans_id - 1
         records = self.records
         end = min(i + limit, len(records))
         return [records[j] for j in range(i, end)]

@@ -43,8 +43,10 @@ proof, by which time the dialer already accepts application frames. Hence a
 message sent from inside `on_link(peer, True)`, on either side, is
 delivered unless that connection breaks.
 
-Messages are authenticated at the handshake only, and NOT encrypted: use a
-private network between the nodes (or a tunnel) if their content matters.
+Messages are authenticated at the handshake only (no per-message MAC), and
+NOT encrypted: whoever sits on the network path can read them, and inject
+into or take over an established connection. Use a private network between
+the nodes (or a tunnel) if that matters.
 A weak secret can be guessed offline from a recorded handshake: use a long
 random one.
 
@@ -57,6 +59,22 @@ they arrive in the order sent. A new authenticated connection from a peer
 replaces the older one of the same direction (the peer dials again only
 when it lost its previous connection, or restarted). Writes are queued and
 handed to the transport once per turn of the event loop, as one write.
+
+What the layer above can rely on:
+- Messages from one peer are delivered in the order sent, with no gaps or
+  duplicates, for as long as that peer's current link lives. `send`
+  returning True means queued, not delivered.
+- When a link breaks, whatever was queued on it or in flight is lost, and
+  may have been partly delivered (a prefix of it). The peer's messages sent
+  afterwards travel on another link, and from a link that has just replaced
+  a broken one, ordering relative to the old link is not guaranteed. A link
+  can be replaced (the peer dialed again) without on_link(peer, False) in
+  between, so loss can happen without a down event: the layer above must
+  tolerate loss and repair it (retries, pulls), as the replication protocol
+  does anyway.
+- on_link(peer, True) and on_link(peer, False) alternate, starting with
+  True; neither runs inside `send` or `broadcast`. An exception raised by a
+  callback is logged and does not affect the link.
 
 Dialing. One task per peer dials, waits for the connection to end, and
 dials again after a pause that doubles from `BACKOFF_MIN_S` to
@@ -118,6 +136,14 @@ BACKOFF_MAX_S = 2.0
 # peer once it is back); it is a few frames' worth, so a peer that is merely
 # slow to read one large snapshot chunk is not dropped.
 MAX_SEND_BUFFER_BYTES = 4 * MAX_FRAME_BYTES
+
+# Connections the kernel queues for us before we accept them (more than a
+# cluster's nodes dialing at once), and also the most accepted per wake-up.
+LISTEN_BACKLOG = 128
+
+# After accept() fails for lack of descriptors or memory, try again after
+# this pause rather than spin on a listener that stays readable.
+ACCEPT_RETRY_S = 0.1
 
 # How long `close()` lets each connection flush what is queued before it
 # aborts the connection.
@@ -200,6 +226,7 @@ class _PeerLink(asyncio.Protocol):
         self.peer_nonce: bytes | None = None  # set once the peer's hello/welcome is checked
         self.registered = False  # in the network's tables (OPEN and not yet detached)
         self.was_open = False  # reached OPEN at some point
+        self.overflowed = False  # too much queued: refuses writes, dropped next turn
         # Resolved (with was_open) by connection_lost; never cancelled.
         self.closed: asyncio.Future[bool] = net._loop.create_future()
 
@@ -238,20 +265,21 @@ class _PeerLink(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.state is _State.CLOSED:
             return
+        # The unparsed tail is replaced, never resized in place: a view of
+        # it may outlive the parse (in an exception), and a bytearray with a
+        # view cannot be resized. Only a tail after a whole frame is copied.
         buf = self.buf
         if buf:
             buf += data
             with memoryview(buf) as view:
                 used = self._feed(view)
-            if self.state is _State.CLOSED:
-                buf.clear()
-            else:
-                del buf[:used]
+            if used and self.state is not _State.CLOSED:
+                self.buf = buf[used:]
         else:
             with memoryview(data) as view:
                 used = self._feed(view)
             if used < len(data) and self.state is not _State.CLOSED:
-                buf += data[used:]
+                self.buf = bytearray(data[used:])
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -369,14 +397,18 @@ class _PeerLink(asyncio.Protocol):
 
     def write_frame(self, body: bytes) -> bool:
         """Queue one encoded message; False if this connection cannot take it."""
-        if self.state is not _State.OPEN:
+        if self.state is not _State.OPEN or self.overflowed:
+            return False
+        transport = self.transport
+        queued = self.pending_bytes + (transport.get_write_buffer_size() if transport else 0)
+        if queued + _HEADER_BYTES + len(body) > MAX_SEND_BUFFER_BYTES:
+            # Dropped on the next turn, so that on_link(peer, False) never
+            # runs inside the caller's send(); refuse everything until then.
+            self.overflowed = True
+            self.net._loop.call_soon(
+                self._drop, f"peer is not reading: {queued} bytes queued for it")
             return False
         self._write(body)
-        transport = self.transport
-        if (transport is not None and
-                self.pending_bytes + transport.get_write_buffer_size() > MAX_SEND_BUFFER_BYTES):
-            self._drop(f"peer is not reading: over {MAX_SEND_BUFFER_BYTES} bytes queued")
-            return False
         return True
 
     def _write(self, body: bytes) -> None:
@@ -488,7 +520,9 @@ class PeerNetwork:
         self._loop: asyncio.AbstractEventLoop = loop  # type: ignore[assignment]  # set by start()
         self._rng = rng if rng is not None else random.Random()
         self._handshake_timeout_s = handshake_timeout_s
-        self._server: asyncio.AbstractServer | None = None  # listening, between start and close
+        self._listener: socket.socket | None = None  # listening, between start and close
+        self._accept_retry: asyncio.TimerHandle | None = None  # set while accepting is paused
+        self._adopting: set[asyncio.Task] = set()  # accepted sockets becoming transports
         self._dialers: dict[int, asyncio.Task] = {}  # one per peer, between start and close
         self._links: set[_PeerLink] = set()  # every connection with a live transport
         self._out: dict[int, _PeerLink] = {}  # peer -> authenticated connection we dialed
@@ -503,9 +537,9 @@ class PeerNetwork:
     @property
     def address(self) -> tuple[str, int]:
         """The bound internal address (the real port when listen's is 0)."""
-        if self._server is None or not self._server.sockets:
+        if self._listener is None:
             raise RuntimeError("PeerNetwork is not started")
-        host, port = self._server.sockets[0].getsockname()[:2]
+        host, port = self._listener.getsockname()[:2]
         return host, port
 
     async def start(self) -> None:
@@ -520,9 +554,8 @@ class PeerNetwork:
         self._started = True
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        host, port = self.listen
-        self._server = await self._loop.create_server(
-            lambda: _PeerLink(self, _Role.ACCEPTOR), host, port, reuse_address=True)
+        self._listener = await self._bind(*self.listen)
+        self._loop.add_reader(self._listener.fileno(), self._on_acceptable)
         for peer_id, addr in sorted(self.peers.items()):
             self._dialers[peer_id] = self._loop.create_task(
                 self._dial_forever(peer_id, addr), name=f"qserver-peer-dial-{peer_id}")
@@ -537,15 +570,9 @@ class PeerNetwork:
         if self._closing:
             return
         self._closing = True
-        if self._server is not None:
-            # asyncio (3.11) makes the transport of a connection accepted in
-            # this turn of the loop in the next turn; if the server is closed
-            # by then, that fails and leaks the socket. One turn lets those
-            # transports be made (their links abort at once: _closing is
-            # set); close() then cancels the accept callbacks not yet run.
-            await asyncio.sleep(0)
-            self._server.close()
-            await asyncio.sleep(0)  # the links just made reach _links
+        self._stop_accepting()
+        if self._adopting:  # short: each ends once its link's connection_made ran (and aborted)
+            await asyncio.wait(self._adopting, timeout=CLOSE_GRACE_S)
         for task in self._dialers.values():
             task.cancel()
         # Close the links before awaiting the dialers: a dialer whose cancel
@@ -556,11 +583,81 @@ class PeerNetwork:
             await asyncio.gather(*self._dialers.values(), return_exceptions=True)
         self._dialers.clear()
         await self._close_links()  # any dial that completed meanwhile (aborted at once)
-        if self._server is not None:
-            await self._server.wait_closed()
         self._out.clear()
         self._in.clear()
         self._current.clear()
+
+    # Accepting. asyncio's Server is not used: on 3.11, closing it while a
+    # connection accepted in the same loop turn still waits for its transport
+    # leaks that connection's socket. Here every accepted socket is owned by
+    # a task until it is a transport, and close() waits for those tasks.
+
+    async def _bind(self, host: str, port: int) -> socket.socket:
+        try:  # a numeric address needs no resolver thread
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+        except socket.gaierror:
+            infos = await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)
+        family, type_, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _on_acceptable(self) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        for _ in range(LISTEN_BACKLOG):
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                # Out of descriptors or memory: pause instead of spinning.
+                log.error("node %d: accepting peers failed: %s; pausing %g s",
+                          self.node_id, exc, ACCEPT_RETRY_S)
+                self._loop.remove_reader(listener.fileno())
+                self._accept_retry = self._loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+                return
+            task = self._loop.create_task(self._adopt(conn))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    def _resume_accepting(self) -> None:
+        self._accept_retry = None
+        if self._listener is not None and not self._closing:
+            self._loop.add_reader(self._listener.fileno(), self._on_acceptable)
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        try:
+            conn.setblocking(False)
+            await self._loop.connect_accepted_socket(lambda: _PeerLink(self, _Role.ACCEPTOR),
+                                                     sock=conn)
+        except OSError as exc:
+            conn.close()
+            log.debug("node %d: an accepted connection failed at once: %s", self.node_id, exc)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _stop_accepting(self) -> None:
+        if self._accept_retry is not None:
+            self._accept_retry.cancel()
+            self._accept_retry = None
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
 
     async def _close_links(self) -> None:
         for link in list(self._links):

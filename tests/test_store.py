@@ -668,3 +668,52 @@ def test_queue_server_client_scenario(d):
         assert d.consume(t, "test_queue") is None
     assert d.confirm("test_queue", 1) is None
     assert len(d.store.get("test_queue")) == 0
+
+
+# -- undo and revert (the master's uncommitted tail) -------------------------------------
+
+
+def test_revert_takes_back_each_kind_of_entry_newest_first(d):
+    d.produce(NOW, "a", data="a1", retry=5)
+    d.produce(NOW, "a", data="a2")
+    d.produce(NOW, "a", data="a3", retry=5)
+    d.consume(NOW, "a")  # a1 retrying
+    store = d.store
+    steps = [
+        d.decide_produce(NOW, "new", data="n1"),  # creates a queue
+        d.decide_produce(NOW, "a", data="a4"),  # advances max_id
+        Consume(queue="a", msg_id=1, retry_at_ms=0),  # a retrying message, last delivery
+        Consume(queue="a", msg_id=2, retry_at_ms=0),  # a pending one, deleted
+        Consume(queue="a", msg_id=3, retry_at_ms=NOW + 5000),  # pending -> retrying
+        Confirm(queue="a", msg_id=3),  # retrying, confirmed
+        Confirm(queue="new", msg_id=1),  # pending, confirmed
+        Confirm(queue="new", msg_id=1),  # nothing left: no-op
+        Noop(),
+    ]
+    wires, undos = [], []
+    for entry in steps:
+        wires.append(store.to_wire())
+        undo = []
+        store.apply(entry, undo)
+        store._check()
+        undos.append(undo)
+    assert [m for m in store.get("a").messages] == [4]
+    for undo, wire in zip(reversed(undos), reversed(wires)):
+        store.revert(undo)
+        store._check()
+        assert store.to_wire() == wire
+    assert store.get("new") is None
+    assert store.get("a").max_id == 3
+    # The state behaves as if the reverted entries never were.
+    assert d.produce_id(NOW, "a") == 4
+    assert d.produce_id(NOW, "new") == 1
+    assert d.consume(NOW, "a") == (2, "a2")
+
+
+def test_apply_with_undo_gives_the_same_result_and_state(d):
+    plain = Driver()
+    for drv in (d, plain):
+        drv.produce(NOW, "q", retry=3)
+    entry = d.decide_consume(NOW)
+    assert d.store.apply(entry, []) == plain.store.apply(entry) == (1, "m")
+    assert d.store.to_wire() == plain.store.to_wire()

@@ -4,9 +4,16 @@ The model is deliberately naive: one dict per queue, linear scans, the rules
 of design.md section 1 written out directly. After every rule the store must
 pass `_check()`, match the model, and a fresh Store fed every entry applied
 so far must reach the same `to_wire()` (replay gives the same state).
+
+Every entry is applied with an undo list, as the master does before the
+entry commits; a `revert` rule takes back the newest few entries, newest
+first (a deposed master rolling back its uncommitted tail), and the store
+must be exactly as it was before them.
 """
 
 from __future__ import annotations
+
+import copy
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -138,7 +145,8 @@ class StoreMachine(RuleBasedStateMachine):
     def setup(self):
         self.store = Store(queue_size=QUEUE_SIZE, virtual_queues=VIRTUAL)
         self.model = Model()
-        self.entries = []
+        self.entries = []  # what a replica's log holds: applied and not reverted
+        self.history = []  # per entry in `entries`: (undo ops, what to restore on revert)
         self.now = START_MS + 123
         self.counter = 0
         self.gone: set = set()  # (queue, id) deleted by confirm or by its last delivery
@@ -151,9 +159,16 @@ class StoreMachine(RuleBasedStateMachine):
             return value
         return self.now // 1000 + value
 
-    def _apply(self, entry):
-        result = self.store.apply(entry)
+    def _snapshot(self):
+        """What a revert of the next entry must restore (taken before the
+        model predicts that entry)."""
+        return copy.deepcopy(self.model), set(self.gone), self.store.to_wire()
+
+    def _apply(self, entry, snapshot):
+        undo = []
+        result = self.store.apply(entry, undo)
         self.entries.append(entry)
+        self.history.append((undo, snapshot))
         return result
 
     @rule(queue=st.sampled_from(REAL + tuple(VIRTUAL)), delay=delay_spec, ttl=ttl_spec,
@@ -163,6 +178,7 @@ class StoreMachine(RuleBasedStateMachine):
         data = f"m{self.counter}"
         delay_s, ttl_s = self._resolve(delay), self._resolve(ttl)
         req = ProduceRequest(queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry)
+        snapshot = self._snapshot()
         before = self.store.to_wire()
         out = self.store.decide_produce(req, self.now)
         assert self.store.to_wire() == before
@@ -177,14 +193,16 @@ class StoreMachine(RuleBasedStateMachine):
             event(f"produce: into {len(expected)} queue(s)")
             assert type(out) is Produce, out
             assert out.targets == expected
-            assert self._apply(out) == expected
+            assert self._apply(out, snapshot) == expected
 
-    @rule(queue=st.sampled_from(REAL + tuple(VIRTUAL) + (UNKNOWN,)), times=st.integers(1, 4))
+    # Real queues weighted up: a redelivery needs two consumes of one queue.
+    @rule(queue=st.sampled_from(REAL * 3 + tuple(VIRTUAL) + (UNKNOWN,)), times=st.integers(1, 4))
     def consume(self, queue, times):
         for _ in range(times):
             self._consume_one(queue)
 
     def _consume_one(self, queue):
+        snapshot = self._snapshot()
         before = self.store.to_wire()
         out = self.store.decide_consume(ConsumeRequest(queue=queue), self.now)
         assert self.store.to_wire() == before
@@ -200,7 +218,7 @@ class StoreMachine(RuleBasedStateMachine):
             event(f"consume: {'redelivery' if redelivery else 'first delivery'}, "
                   f"{'retry again' if retry_at else 'deleted'}")
             assert out == Consume(queue=queue, msg_id=msg_id, retry_at_ms=retry_at)
-            assert self._apply(out) == (msg_id, data)
+            assert self._apply(out, snapshot) == (msg_id, data)
             key = (queue, msg_id)
             # Covers retry=0 (deleted by its one delivery) and confirmed messages.
             assert key not in self.gone, "deleted message delivered again"
@@ -221,6 +239,7 @@ class StoreMachine(RuleBasedStateMachine):
             msg_id = live[pick % len(live)]
         else:
             msg_id = max(1, self.model.max_id.get(queue, 0) + offset)
+        snapshot = self._snapshot()
         before = self.store.to_wire()
         out = self.store.decide_confirm(ConfirmRequest(queue=queue, msg_id=msg_id))
         assert self.store.to_wire() == before
@@ -233,7 +252,7 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             event("confirm: deleted")
             assert out == Confirm(queue=queue, msg_id=msg_id)
-            assert self._apply(out) is True
+            assert self._apply(out, snapshot) is True
             self.gone.add((queue, msg_id))
 
     # Mostly steps of whole 250 ms, which land exactly on retry deadlines
@@ -243,6 +262,22 @@ class StoreMachine(RuleBasedStateMachine):
         lambda t: HOUR_MS if t[0] == 0 else t[1] * 250 if t[0] < 14 else t[2]))
     def advance(self, ms):
         self.now += ms
+
+    # Rarer than the other rules (count 0 is a no-op), so that runs still
+    # build up state long enough for redeliveries.
+    @rule(count=st.integers(-3, 3))
+    def revert(self, count):
+        count = min(count, len(self.history))
+        if count <= 0:
+            return
+        event(f"revert: {count} entries")
+        for _ in range(count):  # one revert call per entry, newest first
+            undo, (model, gone, wire) = self.history.pop()
+            self.entries.pop()
+            self.store.revert(undo)
+            self.store._check()
+            assert self.store.to_wire() == wire
+        self.model, self.gone = model, gone
 
     @invariant()
     def store_is_sound_and_matches_model(self):
@@ -271,8 +306,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=50,
+    max_examples=150,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
