@@ -140,7 +140,24 @@ def _time(obj: dict, field: str) -> float | None:
     return value
 
 
+def _plain_time(value: object) -> bool:
+    """The common case, checked in one expression: absent, or an int in range."""
+    return value is None or (type(value) is int and 0 <= value <= MAX_TIME_S)
+
+
 def _produce(obj: dict) -> ProduceRequest:
+    # Fast path for the shape nearly every client sends (string queue and
+    # data, integer times); anything else goes through the checks below,
+    # which produce the reasons.
+    get = obj.get
+    queue, data, delay, ttl, retry = get("queue"), get("data"), get("delay"), get("ttl"), get("retry")
+    if (type(queue) is str and 0 < len(queue) <= MAX_QUEUE_NAME and type(data) is str
+            and _plain_time(delay) and _plain_time(ttl) and _plain_time(retry)):
+        return ProduceRequest(queue, data, delay, ttl, retry or 0)
+    return _produce_checked(obj)
+
+
+def _produce_checked(obj: dict) -> ProduceRequest:
     queue = _queue(obj)
     data = obj.get("data")
     if data is None:

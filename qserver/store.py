@@ -176,13 +176,6 @@ class Queue:
                 raise InvariantError(f"queue {self.name}: at-most-once message {msg_id} retrying")
 
 
-def _abs_ms(value_s: float, now_ms: int) -> int:
-    """Client seconds (absolute, or relative below 1e9) to absolute ms."""
-    if value_s < RELATIVE_TIME_LIMIT_S:
-        return now_ms + round(value_s * 1000)
-    return round(value_s * 1000)
-
-
 class Store:
     """Every queue of a node, and the two steps that change them.
 
@@ -211,30 +204,48 @@ class Store:
     def decide_produce(self, req: ProduceRequest, now_ms: int) -> Produce | str:
         """Decide a produce: an entry, or the reason it is refused. O(k) for
         k real queues."""
-        if req.delay_s is None:
+        delay, ttl = req.delay_s, req.ttl_s
+        if delay is None:
             ready_ms = now_ms
+        elif delay < RELATIVE_TIME_LIMIT_S:
+            ready_ms = now_ms + round(delay * 1000)
         else:
-            ready_ms = _abs_ms(req.delay_s, now_ms)
-        ttl_ms = ready_ms + DEFAULT_TTL_MS if req.ttl_s is None else _abs_ms(req.ttl_s, now_ms)
+            ready_ms = round(delay * 1000)
+        if ttl is None:
+            ttl_ms = ready_ms + DEFAULT_TTL_MS
+        elif ttl < RELATIVE_TIME_LIMIT_S:
+            ttl_ms = now_ms + round(ttl * 1000)
+        else:
+            ttl_ms = round(ttl * 1000)
         if ttl_ms < ready_ms:
             return "time error"
         # A delay in the past means ready now; keeping FIFO order among
         # ready messages needs the clamp.
         if ready_ms < now_ms:
             ready_ms = now_ms
-        names = self.virtual_queues.get(req.queue) or (req.queue,)
-        targets = []
+        retry_ms = round(req.retry_s * 1000)
+        name = req.queue
         queues = self.queues
-        for name in names:
+        members = self.virtual_queues.get(name)
+        if members is None:  # a plain queue: the common case
             queue = queues.get(name)
             if queue is None:
-                targets.append((name, 1))
+                targets = ((name, 1),)
             elif len(queue.messages) >= self.queue_size:
                 return f"queue full: {name}"
             else:
-                targets.append((name, queue.max_id + 1))
-        return Produce(targets=tuple(targets), data=req.data, ready_ms=ready_ms,
-                       ttl_ms=ttl_ms, retry_ms=round(req.retry_s * 1000))
+                targets = ((name, queue.max_id + 1),)
+            return Produce(targets, req.data, ready_ms, ttl_ms, retry_ms)
+        listed = []
+        for name in members:
+            queue = queues.get(name)
+            if queue is None:
+                listed.append((name, 1))
+            elif len(queue.messages) >= self.queue_size:
+                return f"queue full: {name}"
+            else:
+                listed.append((name, queue.max_id + 1))
+        return Produce(tuple(listed), req.data, ready_ms, ttl_ms, retry_ms)
 
     def decide_consume(self, req: ConsumeRequest, now_ms: int) -> Consume | str | None:
         """Decide a consume: an entry, None when nothing is ready, or a
