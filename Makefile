@@ -5,15 +5,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run single test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-## run: one node on 127.0.0.1:1111 (no config file needed); Ctrl-C stops it
+## run: the local three-node cluster (config/node1.xml to node3.xml); Ctrl-C stops all three
 run: $(STAMP)
+	$(VENV)/bin/qserver local-cluster
+
+## single: one node on 127.0.0.1:1111 (no config file needed; CONFIG=file for another)
+single: $(STAMP)
 	$(VENV)/bin/qserver run $(if $(CONFIG),--config $(CONFIG))
 
 ## test: the whole test suite

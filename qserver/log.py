@@ -63,7 +63,7 @@ class Log:
 
     def append_entry(self, entry: Entry, vote_id: int) -> Record:
         """Append `entry` as the next record under `vote_id`. O(1)."""
-        record = Record(trans_id=self.last_trans_id + 1, vote_id=vote_id, entry=entry)
+        record = Record(self.base_trans_id + len(self.records) + 1, vote_id, entry)
         self.records.append(record)
         return record
 

@@ -43,8 +43,6 @@ __all__ = ["Service", "Respond"]
 
 Respond = Callable[[dict], None]
 
-_PRODUCE_INPUTS = ("data", "delay", "ttl", "retry")
-
 
 class Service:
     """Answers client requests for one node."""
@@ -53,6 +51,7 @@ class Service:
         self.config = config
         self.store = store
         self.engine = engine
+        self._commits_at_once = getattr(engine, "commits_at_once", False)
 
     def handle(self, obj: object, now_ms: int, respond: Respond, *, forwarded: bool = False) -> None:
         """Answer one decoded request (any JSON value) through `respond`.
@@ -109,8 +108,11 @@ class Service:
     # -- writes ------------------------------------------------------------
 
     def _produce(self, obj: dict, req: ProduceRequest, now_ms: int, respond: Respond) -> None:
-        for key in _PRODUCE_INPUTS:
-            obj.pop(key, None)
+        pop = obj.pop
+        pop("data", None)
+        pop("delay", None)
+        pop("ttl", None)
+        pop("retry", None)
         outcome = self.store.decide_produce(req, now_ms)
         if type(outcome) is str:
             respond(error_response(outcome, obj))
@@ -127,7 +129,10 @@ class Service:
                 obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
             respond(obj)
 
-        self.engine.propose(outcome, done)
+        if self._commits_at_once:  # single node: no callback on the hot path
+            done(self.engine.commit_now(outcome), None)
+        else:
+            self.engine.propose(outcome, done)
 
     def _consume(self, obj: dict, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
         # A client's own msg_id/data must not read back as a delivery.
