@@ -44,6 +44,10 @@ __all__ = ["Service", "Respond"]
 Respond = Callable[[dict], None]
 
 
+def _consumed(obj: dict, result: tuple) -> None:
+    obj["msg_id"], obj["data"] = result
+
+
 class Service:
     """Answers client requests for one node."""
 
@@ -138,29 +142,18 @@ class Service:
         # A client's own msg_id/data must not read back as a delivery.
         obj.pop("msg_id", None)
         obj.pop("data", None)
-        outcome = self.store.decide_consume(req, now_ms)
-        if outcome is None:
-            obj["code"] = 0
-            respond(obj)
-            return
-        if type(outcome) is str:
-            respond(error_response(outcome, obj))
-            return
-
-        def done(result: object, error: str | None) -> None:
-            if error is not None:
-                respond(error_response(error, obj))
-                return
-            obj["code"] = 0
-            obj["msg_id"], obj["data"] = result
-            respond(obj)
-
-        self.engine.propose(outcome, done)
+        self._write(obj, self.store.decide_consume(req, now_ms), respond, _consumed)
 
     def _confirm(self, obj: dict, req: ConfirmRequest, respond: Respond) -> None:
-        outcome = self.store.decide_confirm(req)
+        # An unknown id decides to None: code 0, not an error (queue_server).
+        self._write(obj, self.store.decide_confirm(req), respond, None)
+
+    def _write(self, obj: dict, outcome: object, respond: Respond, fill) -> None:
+        """Answer a consume or confirm decision: None (nothing to change:
+        code 0), a reason (code -1), or an entry to replicate; once it
+        commits, `fill(obj, result)` adds the result's fields."""
         if outcome is None:
-            obj["code"] = 0  # an unknown id is not an error (queue_server)
+            obj["code"] = 0
             respond(obj)
             return
         if type(outcome) is str:
@@ -172,6 +165,8 @@ class Service:
                 respond(error_response(error, obj))
                 return
             obj["code"] = 0
+            if fill is not None:
+                fill(obj, result)
             respond(obj)
 
         self.engine.propose(outcome, done)

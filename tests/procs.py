@@ -22,6 +22,17 @@ START_DEADLINE_S = 30.0
 IO_TIMEOUT_S = 10.0
 
 
+def wait_until(predicate, deadline_s: float = 30.0, step_s: float = 0.05):
+    """Poll `predicate` until it returns something true; fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step_s)
+    raise AssertionError("condition not met before the deadline")
+
+
 def free_port() -> int:
     """A port free for both TCP and UDP on 127.0.0.1 (at the time of asking)."""
     for _ in range(100):

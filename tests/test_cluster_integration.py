@@ -8,19 +8,9 @@ import time
 
 import pytest
 
-from procs import Cluster, TcpClient, UdpClient
+from procs import wait_until, Cluster, TcpClient, UdpClient
 
 DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
-
-
-def wait_until(predicate, deadline_s: float = DEADLINE_S, step_s: float = 0.05):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise AssertionError("condition not met before the deadline")
 
 
 @pytest.fixture

@@ -11,20 +11,10 @@ import time
 
 import pytest
 
-from procs import TcpClient, UdpClient, free_port
+from procs import wait_until, TcpClient, UdpClient, free_port
 
 # Slack for the retry scenario: time moves on between requests on a busy box.
 RETRY_S = 2
-
-
-def wait_until(predicate, deadline_s: float = 15.0, step_s: float = 0.05):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step_s)
-    raise AssertionError("condition not met before the deadline")
 
 
 def test_produce_consume_confirm_over_tcp(node):
