@@ -10,7 +10,8 @@ PKG = Path(__file__).resolve().parent.parent / "qserver"
 
 CORE_MODULES = [
     "store.py", "entries.py", "log.py", "requests.py", "protocol.py", "service.py",
-    "replication/base.py", "replication/local.py",
+    "replication/base.py", "replication/local.py", "replication/native.py",
+    "replication/messages.py", "storage/format.py",
 ]
 
 FORBIDDEN = {"asyncio", "socket", "os", "time", "random", "threading", "pathlib",

@@ -56,10 +56,10 @@ node applies the same entries in the same order.
 from __future__ import annotations
 
 import enum
-import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..entries import Entry, Noop, Record
 from ..errors import InvariantError
@@ -85,6 +85,13 @@ OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
 # The most records one Push may carry, whatever the sync_rate budget: keeps
 # one message (and one event-loop turn on both ends) small.
 MAX_BATCH_RECORDS = 2_000
+
+
+class Rng(Protocol):
+    """The randomness the core needs, given by its owner (a seeded
+    random.Random in tests, a fresh one in the node)."""
+
+    def randrange(self, stop: int) -> int: ...
 
 
 class Role(enum.Enum):
@@ -142,7 +149,7 @@ class NativeCore:
     """One node's replication state machine (see the module docstring)."""
 
     def __init__(self, *, node_id: int, peer_ids: list[int], store: Store, log: Log,
-                 me: LeaderInfo, rng: random.Random, now_ms: int, timing: Timing = Timing(),
+                 me: LeaderInfo, rng: Rng, now_ms: int, timing: Timing = Timing(),
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
                  vote_id: int = 0, voted_for: int = 0) -> None:
         self.node_id = node_id

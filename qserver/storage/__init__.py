@@ -1,0 +1,10 @@
+"""A node's storage on disk: the log in checksummed segment files, snapshots
+of the state machine, the persisted vote (design.md section 3).
+
+`format` holds the byte formats and does no I/O; `disk` does the I/O.
+"""
+
+from .disk import SEGMENT_BYTES, DiskStorage, Recovered, StorageError
+from .format import store_wire_iter
+
+__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter"]

@@ -1,0 +1,677 @@
+"""One node's storage on disk: the log in segment files, snapshots, the vote.
+
+Theory of operation
+-------------------
+The byte formats are in `qserver.storage.format`; this module does the I/O.
+Files in the data directory::
+
+    log-<first trans_id, 20 digits>.seg   record frames, consecutive trans_ids
+    snapshot-<trans_id, 20 digits>.snap   the state machine up to trans_id
+    vote                                   (vote_id, voted_for)
+    *.tmp                                  a write in progress: never read;
+                                           recover() removes it
+    *.corrupt                              a snapshot recover() set aside
+    LOCK                                   flock'ed while open: one process
+                                           per directory
+
+The log is the run of segments in trans_id order; a segment is named by its
+first record and the next segment starts right after its last. Records at
+or below the newest snapshot may linger in the segment that holds the
+snapshot point; recovery skips them.
+
+A node opens the directory, calls `recover()` once, then uses `save_vote`,
+`append`, `truncate_after`, `sync`, `write_snapshot`, `install_snapshot`,
+in the order `Ready` lists them, and `close()` at shutdown.
+
+Durability: what survives a crash
+- `append` hands the frames to the OS in one write(2) per call, so a process
+  crash (kill -9) loses nothing appended. What a power loss keeps depends on
+  `sync()`: everything appended before the last `sync()` survives.
+- The node calls `sync()` by its fsync policy (config `fsync`): `always`,
+  once per event-loop turn before answering; `batch`, from a timer every few
+  ms; `off`, never (the OS writes back when it likes: a power loss loses
+  recent entries, and can leave a tail that stops the node, see below).
+- Whatever the policy, these are durable when they return: `save_vote` (a
+  vote must be on disk before it is granted), `truncate_after` (a truncation
+  the disk forgot could splice old records after new ones), snapshots, the
+  cuts `recover()` makes, and every segment but the last (fsynced when the
+  log rolls past it, once per `segment_bytes`). So after a power loss only
+  the newest segment can have a damaged tail, and that tail is cut.
+- `recover()` fsyncs what it keeps: after a process crash, the records it
+  returns may still be only in the page cache, and the node acts on them.
+
+Recovery: the newest valid snapshot plus the log after it.
+- A problem (torn or corrupt frame) in the newest segment with no valid
+  record after it is a torn tail: it is cut off (durably) and reported with
+  the file and offset. Any other problem (a bad frame followed by valid ones,
+  a bad frame in an older segment, a gap between segments or between the
+  snapshot and the log) raises `StorageError` naming the file and offset.
+- A snapshot that does not decode is set aside (renamed `*.corrupt`, and
+  reported) and the next older one is used, if the log covers what the
+  skipped one held; otherwise `StorageError`.
+- If the log's record at the snapshot's trans_id has another vote_id, or the
+  log ends before the snapshot, the log is from before an installed
+  snapshot (a crash between installing it and removing the old log): it is
+  removed and reported.
+
+Not thread-safe: one task of the node owns a DiskStorage.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+from array import array
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+from ..config import Fsync
+from ..entries import Record
+from ..errors import InvariantError, QServerError
+from .format import (
+    decode_snapshot,
+    decode_vote,
+    encode_record,
+    encode_snapshot_chunks,
+    encode_vote,
+    frame_offsets,
+    resync,
+    scan,
+)
+
+__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES"]
+
+log = logging.getLogger("qserver.storage")
+
+# A new segment is started once the current one holds this much: small
+# enough that a snapshot soon frees the space of old entries, large enough
+# that rolls (one fsync and one file each) are rare.
+SEGMENT_BYTES = 64 * 1024 * 1024
+
+# Snapshots are read back in blocks of this size.
+_READ_BLOCK = 1024 * 1024
+
+_SEGMENT_RE = re.compile(r"^log-(\d{20})\.seg$")
+_SNAPSHOT_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
+_VOTE = "vote"
+_LOCK = "LOCK"
+_TMP = ".tmp"
+
+
+# -- errors -----------------------------------------------------------------
+
+class StorageError(QServerError):
+    """Raised when a data directory cannot be trusted or written: corruption
+    before the tail of the log, a gap in it, an unreadable vote, a corrupt
+    snapshot that nothing else covers, a failed write or fsync (after which
+    the DiskStorage refuses further work: the node must stop and recover).
+
+    The message names the file and, where it applies, the byte offset.
+    """
+
+    def __init__(self, path: str, offset: int | None, problem: str) -> None:
+        self.path = path
+        self.offset = offset
+        self.problem = problem
+        where = path if offset is None else f"{path}: offset {offset}"
+        super().__init__(f"{where}: {problem}")
+
+
+class Recovered(NamedTuple):
+    """What `recover()` found."""
+
+    vote: tuple[int, int]  # (vote_id, voted_for); (0, 0) if none was saved
+    snapshot: tuple[int, int, list] | None  # (trans_id, vote_id, state) or None
+    records: list[Record]  # the log after the snapshot, gap-free
+    reports: list[str]  # what was cut, removed or skipped, with file and offset
+
+
+class _Segment:
+    __slots__ = ("first", "path", "size")
+
+    def __init__(self, first: int, path: str, size: int) -> None:
+        self.first = first  # trans_id of its first record (its name)
+        self.path = path
+        self.size = size  # bytes of valid frames (what we wrote or kept)
+
+
+# -- small I/O helpers ------------------------------------------------------
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_blocks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            yield block
+
+
+class DiskStorage:
+    """The on-disk storage of one node (see the module docstring)."""
+
+    def __init__(self, directory: str, fsync: Fsync | str = Fsync.BATCH, *,
+                 segment_bytes: int = SEGMENT_BYTES) -> None:
+        """Use `DiskStorage.open`, which also creates and locks the directory."""
+        self.directory = os.fspath(directory)
+        self.policy = Fsync(fsync)  # when the node calls sync(); see the module doc
+        self.segment_bytes = segment_bytes
+        self._segments: list[_Segment] = []  # the log, oldest first; the last is current
+        self._fd = -1  # open on the last segment (append only) or -1
+        self._offsets = array("Q")  # start of each frame in the last segment
+        self._next_trans_id = 1  # trans_id the next append must have
+        self._base = 0  # trans_id of the newest snapshot (0: none)
+        self._dirty = False  # the last segment has writes not yet fsynced
+        self._dir_dirty = False  # files were created or removed since the last fsync of the dir
+        self._recovered = False
+        self._failed: StorageError | None = None  # set by a failed write: refuse all work
+        self._lock_fd = -1
+
+    @classmethod
+    def open(cls, directory: str, fsync: Fsync | str = Fsync.BATCH, *,
+             segment_bytes: int = SEGMENT_BYTES) -> DiskStorage:
+        """Create `directory` if needed, lock it, and return its storage.
+
+        Raises StorageError if it cannot be created or another process holds
+        it; ValueError for an unknown fsync policy. Call `recover()` next.
+        """
+        storage = cls(directory, fsync, segment_bytes=segment_bytes)
+        path = os.path.join(storage.directory, _LOCK)
+        try:
+            os.makedirs(storage.directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(path, None, f"cannot open: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StorageError(path, None, "another process has this data directory "
+                                               "open") from exc
+            raise StorageError(path, None, f"cannot lock: {exc.strerror or exc}") from exc
+        storage._lock_fd = fd
+        return storage
+
+    # -- paths ---------------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _segment_path(self, first: int) -> str:
+        return self._path(f"log-{first:020d}.seg")
+
+    def _snapshot_path(self, trans_id: int) -> str:
+        return self._path(f"snapshot-{trans_id:020d}.snap")
+
+    # -- state checks --------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if not self._recovered:
+            raise InvariantError("DiskStorage used before recover()")
+
+    def _fail(self, path: str, offset: int | None, what: str, exc: OSError) -> StorageError:
+        """Poison the storage after a failed write or fsync: the file's state
+        is unknown (and after a failed fsync, the kernel may have dropped the
+        dirty pages), so only a restart and recovery can go on."""
+        self._failed = StorageError(path, offset, f"{what} failed: {exc.strerror or exc}")
+        return self._failed
+
+    @property
+    def next_trans_id(self) -> int:
+        """The trans_id the next appended record must have."""
+        return self._next_trans_id
+
+    @property
+    def dirty(self) -> bool:
+        """True if records were appended since the last sync()."""
+        return self._dirty or self._dir_dirty
+
+    # -- recovery ------------------------------------------------------------
+
+    def recover(self) -> Recovered:
+        """Read the directory back: vote, newest valid snapshot, log after it.
+
+        Cuts a torn tail (durably), removes unfinished writes, sets aside a
+        corrupt snapshot; each is reported in `Recovered.reports` (and logged).
+        Afterwards the storage appends at the record after the last one.
+        Raises StorageError (file and offset) when the log cannot be trusted.
+        Cost: reads every segment and the snapshots it tries.
+        """
+        if self._failed is not None:
+            raise self._failed
+        if self._recovered:
+            raise InvariantError("recover() called twice")
+        reports: list[str] = []
+
+        def report(text: str) -> None:
+            reports.append(text)
+            log.warning("storage: %s", text)
+
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            raise StorageError(self.directory, None, f"cannot list: {exc.strerror or exc}") from exc
+        for name in names:
+            if name.endswith(_TMP):
+                path = self._path(name)
+                os.unlink(path)
+                self._dir_dirty = True
+                report(f"{path}: removed an unfinished write")
+        vote = self._read_vote()
+        segment_ids = sorted(int(m[1]) for n in names if (m := _SEGMENT_RE.match(n)))
+        snapshot_ids = sorted((int(m[1]) for n in names if (m := _SNAPSHOT_RE.match(n))),
+                              reverse=True)
+
+        records, segments, last_buf = self._recover_log(segment_ids, report)
+        snapshot = self._recover_snapshot(snapshot_ids, records, report)
+        base = snapshot[0] if snapshot is not None else 0
+
+        if snapshot is not None and records:
+            log_first, log_last = records[0].trans_id, records[-1].trans_id
+            at = records[base - log_first] if log_first <= base <= log_last else None
+            if log_last < base or (at is not None and at.vote_id != snapshot[1]):
+                why = (f"ends at trans_id {log_last}" if log_last < base else
+                       f"has vote_id {at.vote_id} at trans_id {base}, the snapshot {snapshot[1]}")
+                for seg in segments:
+                    os.unlink(seg.path)
+                    report(f"{seg.path}: removed: the log {why}; it predates the snapshot "
+                           f"at trans_id {base}")
+                self._dir_dirty = True
+                records, segments, last_buf = [], [], b""
+            elif log_first > base + 1:
+                raise StorageError(segments[0].path, 0, f"log starts at trans_id {log_first}, "
+                                   f"the snapshot ends at {base}: entries in between are missing")
+            else:
+                records = records[base + 1 - log_first:]
+        elif records and records[0].trans_id != 1:
+            raise StorageError(segments[0].path, 0, f"log starts at trans_id "
+                               f"{records[0].trans_id} and no snapshot covers what is before")
+
+        self._segments = segments
+        self._base = base
+        self._next_trans_id = records[-1].trans_id + 1 if records else base + 1
+        if segments:
+            last = segments[-1]
+            self._offsets = array("Q", frame_offsets(last_buf))
+            if last.first + len(self._offsets) != self._next_trans_id:
+                # only records at or below the snapshot remain in it; they end
+                # at the snapshot point (checked above), so this cannot happen
+                raise InvariantError(f"{last.path}: recovered log does not end at the snapshot")
+            self._fd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
+            self._dirty = True  # what we read may be in the page cache only
+        self._recovered = True
+        self.sync()
+        return Recovered(vote, snapshot, records, reports)
+
+    def _read_vote(self) -> tuple[int, int]:
+        path = self._path(_VOTE)
+        try:
+            buf = _read_file(path)
+        except FileNotFoundError:
+            return (0, 0)
+        try:
+            return decode_vote(buf)
+        except ValueError as exc:
+            # A vote is replaced by rename, never torn: this is damage, and
+            # forgetting a vote could let this node vote twice in one epoch.
+            raise StorageError(path, 0, f"vote unreadable: {exc}") from None
+
+    def _recover_log(self, segment_ids: list[int], report: Any
+                     ) -> tuple[list[Record], list[_Segment], bytes]:
+        records: list[Record] = []
+        segments: list[_Segment] = []
+        last_buf = b""
+        expect: int | None = None  # first trans_id of the next segment
+        for i, first in enumerate(segment_ids):
+            path = self._segment_path(first)
+            is_last = i == len(segment_ids) - 1
+            if expect is not None and first != expect:
+                raise StorageError(path, 0, f"log gap: the previous segment ends at trans_id "
+                                   f"{expect - 1}, this one starts at {first}")
+            buf = _read_file(path)
+            result = scan(buf, first_trans_id=first)
+            good_end = result.good_end_offset
+            problem = result.problem
+            if problem is not None:
+                after = result.records[-1].trans_id if result.records else first - 1
+                later = resync(buf, problem.offset + 1, after_trans_id=after)
+                if later is not None:
+                    raise StorageError(path, problem.offset, f"{problem.kind} record "
+                                       f"({problem.reason}) before valid records "
+                                       f"(at offset {later})")
+                if not is_last:
+                    raise StorageError(path, problem.offset, f"{problem.kind} record "
+                                       f"({problem.reason}) in a segment that is not the last")
+                self._cut(path, good_end)
+                report(f"{path}: cut {len(buf) - good_end} bytes at offset {problem.offset}: "
+                       f"{problem.kind} record ({problem.reason})")
+            expect = first + len(result.records)
+            if good_end == 0 and is_last:  # holds nothing: start afresh on append
+                os.unlink(path)
+                self._dir_dirty = True
+                continue
+            records.extend(result.records)
+            segments.append(_Segment(first, path, good_end))
+            last_buf = buf if good_end == len(buf) else buf[:good_end]
+        return records, segments, last_buf
+
+    def _cut(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)  # a cut the disk forgot would put garbage before new records
+        finally:
+            os.close(fd)
+
+    def _recover_snapshot(self, snapshot_ids: list[int], records: list[Record], report: Any
+                          ) -> tuple[int, int, list] | None:
+        chosen = None
+        skipped: list[tuple[int, str]] = []
+        for sid in snapshot_ids:
+            path = self._snapshot_path(sid)
+            try:
+                trans_id, vote_id, state = decode_snapshot(_read_blocks(path))
+                if trans_id != sid:
+                    raise ValueError(f"holds trans_id {trans_id}")
+            except ValueError as exc:
+                skipped.append((sid, path))
+                report(f"{path}: corrupt snapshot skipped ({exc}); kept as {path}.corrupt")
+                continue
+            except OSError as exc:
+                raise StorageError(path, None, f"cannot read: {exc.strerror or exc}") from exc
+            chosen = (trans_id, vote_id, state)
+            break
+        base = chosen[0] if chosen is not None else 0
+        if skipped:
+            newest_skipped, newest_path = skipped[0]
+            if newest_skipped > base and not (records and records[0].trans_id <= base + 1
+                                              and records[-1].trans_id >= newest_skipped):
+                raise StorageError(newest_path, None, f"corrupt snapshot, and neither an older "
+                                   f"snapshot nor the log covers trans_ids {base + 1}.."
+                                   f"{newest_skipped}")
+            for _sid, path in skipped:
+                os.replace(path, path + ".corrupt")
+            self._dir_dirty = True
+        for sid in snapshot_ids:  # older valid ones: left by a crash before their removal
+            if sid < base:
+                os.unlink(self._snapshot_path(sid))
+                self._dir_dirty = True
+        return chosen
+
+    # -- the vote ------------------------------------------------------------
+
+    def save_vote(self, vote_id: int, voted_for: int) -> None:
+        """Persist (vote_id, voted_for) atomically and durably, whatever the
+        fsync policy: it must be on disk before the vote is granted.
+        Cost: two fsyncs. Raises StorageError if the write fails."""
+        self._check_usable()
+        self._write_atomic(_VOTE, [encode_vote(vote_id, voted_for)])
+
+    def _write_atomic(self, name: str, pieces: Iterable[bytes]) -> None:
+        """Write a file under a temporary name, fsync it, rename it over
+        `name`, fsync the directory: a reader sees the old file or the whole
+        new one, never a part."""
+        final = self._path(name)
+        tmp = final + _TMP
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for piece in pieces:
+                    _write_all(fd, piece)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            self._fsync_dir()
+        except OSError as exc:
+            self._unlink_quietly(tmp)
+            raise StorageError(final, None, f"write failed: {exc.strerror or exc}") from exc
+        except BaseException:
+            self._unlink_quietly(tmp)
+            raise
+
+    @staticmethod
+    def _unlink_quietly(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dir_dirty = False
+
+    # -- the log -------------------------------------------------------------
+
+    def append(self, records: Iterable[Record]) -> None:
+        """Append records (the next must be `next_trans_id`, then one by one).
+
+        One write(2) per segment touched: a process crash loses nothing, a
+        power loss what came after the last `sync()`. Starts a new segment
+        (fsyncing the full one) once the current holds `segment_bytes`.
+        Raises InvariantError on a trans_id out of order (our bug),
+        StorageError if the write fails. Cost: O(bytes).
+        """
+        self._check_usable()
+        expect = self._next_trans_id
+        frames: list[bytes] = []
+        pending = 0  # bytes in frames
+        seg = self._segments[-1] if self._fd >= 0 else None
+        offsets = self._offsets
+        for record in records:
+            if record.trans_id != expect:
+                raise InvariantError(f"append of trans_id {record.trans_id}, "
+                                     f"{expect} was due")
+            frame = encode_record(record)
+            if seg is None or (seg.size + pending > 0
+                               and seg.size + pending + len(frame) > self.segment_bytes):
+                if frames:
+                    self._write(seg, frames, pending)
+                    frames, pending = [], 0
+                seg = self._roll(record.trans_id)
+                offsets = self._offsets
+            offsets.append(seg.size + pending)
+            frames.append(frame)
+            pending += len(frame)
+            expect += 1
+        if frames:
+            self._write(seg, frames, pending)
+        self._next_trans_id = expect
+
+    def _write(self, seg: _Segment, frames: list[bytes], size: int) -> None:
+        try:
+            _write_all(self._fd, b"".join(frames))
+        except OSError as exc:
+            raise self._fail(seg.path, seg.size, "write", exc) from exc
+        seg.size += size
+        self._dirty = True
+
+    def _roll(self, first: int) -> _Segment:
+        """Close the current segment (fsynced: every segment but the last is
+        durable) and start `log-<first>.seg`."""
+        if self._fd >= 0:
+            old = self._segments[-1]
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise self._fail(old.path, None, "fsync", exc) from exc
+            os.close(self._fd)
+            self._fd = -1
+            self._dirty = False
+        path = self._segment_path(first)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise self._fail(path, None, "create", exc) from exc
+        seg = _Segment(first, path, 0)
+        self._segments.append(seg)
+        self._offsets = array("Q")
+        self._dir_dirty = True
+        return seg
+
+    def sync(self) -> None:
+        """Make everything appended so far durable: fsync the current
+        segment, and the directory if a segment was created or removed.
+        Does nothing if nothing changed. Raises StorageError on failure
+        (and refuses further work: see StorageError)."""
+        if self._failed is not None:
+            raise self._failed
+        if self._dirty and self._fd >= 0:
+            seg = self._segments[-1]
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise self._fail(seg.path, None, "fsync", exc) from exc
+        self._dirty = False
+        self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        if self._dir_dirty:
+            try:
+                self._fsync_dir()
+            except OSError as exc:
+                raise self._fail(self.directory, None, "fsync", exc) from exc
+
+    def truncate_after(self, trans_id: int) -> None:
+        """Drop every record after `trans_id` (a diverging log), durably:
+        later segments are removed and the one holding trans_id is cut right
+        after it and fsynced. A no-op if the log ends at or before trans_id.
+        Raises InvariantError below the snapshot (those records are gone).
+        Cost: O(1) within the current segment; reads a segment's headers
+        when the cut falls in an older one.
+        """
+        self._check_usable()
+        if trans_id >= self._next_trans_id - 1:
+            return
+        if trans_id < self._base:
+            raise InvariantError(f"truncate after {trans_id}, below the snapshot at {self._base}")
+        segments = self._segments
+        while segments and segments[-1].first > trans_id:
+            seg = segments.pop()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            try:
+                os.unlink(seg.path)
+            except OSError as exc:
+                raise self._fail(seg.path, None, "unlink", exc) from exc
+            self._dir_dirty = True
+        self._dirty = False
+        if segments:
+            seg = segments[-1]
+            keep = trans_id - seg.first + 1  # records of seg to keep (>= 1)
+            try:
+                if self._fd < 0:  # the cut is in an older segment: index it
+                    self._offsets = array("Q", frame_offsets(_read_file(seg.path)))
+                    self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+                offsets = self._offsets
+                if keep < len(offsets):
+                    seg.size = offsets[keep]
+                    del offsets[keep:]
+                    os.ftruncate(self._fd, seg.size)
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise self._fail(seg.path, None, "truncate", exc) from exc
+        self._sync_dir()
+        self._next_trans_id = trans_id + 1
+
+    # -- snapshots -----------------------------------------------------------
+
+    def write_snapshot(self, trans_id: int, vote_id: int, state: Iterable[Any]) -> None:
+        """Save a snapshot of our own state at `trans_id` (vote_id: that
+        entry's), then remove older snapshots and the segments it covers.
+
+        `state`: `Store.to_wire()` or `format.store_wire_iter(store)` (which
+        never builds the whole wire form); it is consumed within this call.
+        Atomic (temporary name, fsync, rename, fsync of the directory) and
+        durable whatever the policy. Requires base <= trans_id <= the last
+        appended record. Raises StorageError if the write fails (the log is
+        untouched: the node may go on). Cost: O(state) in bytes, blocking.
+        """
+        self._check_usable()
+        if not self._base <= trans_id < self._next_trans_id:
+            raise InvariantError(f"snapshot at {trans_id} outside the log "
+                                 f"({self._base}..{self._next_trans_id - 1})")
+        self._save_snapshot(trans_id, vote_id, state)
+        segments = self._segments
+        while len(segments) > 1 and segments[1].first <= trans_id + 1:
+            seg = segments.pop(0)  # every record in it is at or below trans_id
+            self._unlink_quietly(seg.path)
+            self._dir_dirty = True
+        self._base = trans_id
+        self._sync_dir()
+
+    def install_snapshot(self, trans_id: int, vote_id: int, state: Iterable[Any]) -> None:
+        """Save a snapshot received from the master and restart the log after
+        it: every other snapshot and every segment is removed; the next
+        append is trans_id + 1. Atomic and durable as `write_snapshot`.
+        A crash between the rename and the removals is repaired by
+        `recover()` (the old log predates the snapshot: it is removed)."""
+        self._check_usable()
+        if trans_id < self._base:
+            raise InvariantError(f"install of a snapshot at {trans_id}, "
+                                 f"below ours at {self._base}")
+        self._save_snapshot(trans_id, vote_id, state)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for seg in self._segments:
+            self._unlink_quietly(seg.path)
+        self._segments = []
+        self._offsets = array("Q")
+        self._dirty = False
+        self._dir_dirty = True
+        self._base = trans_id
+        self._next_trans_id = trans_id + 1
+        self._sync_dir()
+
+    def _save_snapshot(self, trans_id: int, vote_id: int, state: Iterable[Any]) -> None:
+        name = os.path.basename(self._snapshot_path(trans_id))
+        self._write_atomic(name, encode_snapshot_chunks(trans_id, vote_id, state))
+        for other in os.listdir(self.directory):
+            m = _SNAPSHOT_RE.match(other)
+            if m and int(m[1]) != trans_id:
+                self._unlink_quietly(self._path(other))
+                self._dir_dirty = True
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Orderly shutdown: sync (whatever the policy) and close the files."""
+        try:
+            if self._recovered and self._failed is None:
+                self.sync()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close the files without syncing: what a crash leaves behind (the
+        page cache still holds what was appended). For tests and for
+        stopping after a StorageError."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+        self._recovered = False
+        if self._failed is None:
+            self._failed = StorageError(self.directory, None, "storage closed")

@@ -1,0 +1,249 @@
+"""The storage byte formats (qserver.storage.format): record frames, scan,
+snapshots and the vote. No files here; see test_storage_disk.py."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qserver.entries import Confirm, Consume, Noop, Produce, Record
+from qserver.requests import ProduceRequest
+from qserver.storage import format as fmt
+from qserver.store import Store
+from test_core_purity import FORBIDDEN, imported_modules
+
+FORMAT_PY = Path(fmt.__file__)
+
+
+def make_records(n: int, start: int = 1, vote_id: int = 1) -> list[Record]:
+    entries = [
+        Produce(targets=(("q", 1),), data="hello", ready_ms=5, ttl_ms=9, retry_ms=0),
+        Consume(queue="q", msg_id=1, retry_at_ms=77),
+        Confirm(queue="q", msg_id=1),
+        Noop(),
+        Produce(targets=(("a", 3), ("b", 4)), data="é" * 40, ready_ms=1, ttl_ms=2, retry_ms=3),
+    ]
+    return [Record(start + i, vote_id, entries[i % len(entries)]) for i in range(n)]
+
+
+def test_format_module_does_no_io():
+    bad = imported_modules(FORMAT_PY) & (FORBIDDEN | {"__import__"})
+    assert not bad, f"storage/format.py imports {sorted(bad)}"
+
+
+# -- record frames ------------------------------------------------------------
+
+def test_frame_layout():
+    record = make_records(1)[0]
+    frame = fmt.encode_record(record)
+    length, crc = struct.unpack(">II", frame[:8])
+    payload = frame[8:]
+    assert length == len(payload)
+    assert crc == zlib.crc32(payload)
+    assert payload[:1] == b"\x93"  # resync relies on it
+    assert msgpack.unpackb(payload)[0] == 1
+
+
+def test_scan_round_trip_whole_and_with_base_offset():
+    records = make_records(12, start=40)
+    buf = fmt.encode_records(records)
+    result = fmt.scan(buf, base_offset=1000, first_trans_id=40)
+    assert result.records == records
+    assert result.good_end_offset == 1000 + len(buf)
+    assert result.problem is None
+
+
+def test_scan_every_cut_point_is_torn_and_keeps_whole_frames():
+    records = make_records(4)
+    frames = [fmt.encode_record(r) for r in records]
+    buf = b"".join(frames)
+    ends = [sum(len(f) for f in frames[:i]) for i in range(len(frames) + 1)]
+    for cut in range(len(buf) + 1):
+        result = fmt.scan(buf[:cut])
+        whole = max(i for i, e in enumerate(ends) if e <= cut)
+        assert result.records == records[:whole]
+        assert result.good_end_offset == ends[whole]
+        if cut == ends[whole]:
+            assert result.problem is None
+        else:
+            assert result.problem.kind == "torn"
+            assert result.problem.offset == ends[whole]
+
+
+def test_scan_flipped_byte_is_corrupt_at_its_frame():
+    records = make_records(5)
+    frames = [fmt.encode_record(r) for r in records]
+    buf = bytearray(b"".join(frames))
+    start = len(frames[0]) + len(frames[1])
+    buf[start + 8 + 3] ^= 0x40  # inside the third payload
+    result = fmt.scan(bytes(buf))
+    assert result.records == records[:2]
+    assert result.problem == fmt.Problem("corrupt", start, "crc mismatch")
+
+
+def test_scan_length_over_bound_is_corrupt():
+    buf = struct.pack(">II", fmt.MAX_RECORD_BYTES + 1, 0) + b"x" * 20
+    result = fmt.scan(buf)
+    assert result.problem.kind == "corrupt"
+    assert "MAX_RECORD_BYTES" in result.problem.reason
+
+
+def test_scan_zero_frame_is_corrupt():
+    # A zero-filled tail (what a crash can leave) has a valid crc for an
+    # empty payload; it must still not pass.
+    result = fmt.scan(fmt.encode_record(make_records(1)[0]) + bytes(32))
+    assert len(result.records) == 1
+    assert result.problem.kind == "corrupt"
+
+
+def test_scan_undecodable_payload_with_good_crc_is_corrupt():
+    payload = msgpack.packb([1, 1, [99]])  # an unknown entry kind
+    buf = struct.pack(">II", len(payload), zlib.crc32(payload)) + payload
+    result = fmt.scan(buf)
+    assert result.problem.kind == "corrupt"
+    assert "not a record" in result.problem.reason
+
+
+def test_scan_trans_id_gap_is_corrupt():
+    records = make_records(3)
+    buf = fmt.encode_records([records[0], records[2]])
+    result = fmt.scan(buf)
+    assert result.records == [records[0]]
+    assert result.problem.kind == "corrupt"
+    assert "trans_id 3 where 2 was due" in result.problem.reason
+    assert fmt.scan(fmt.encode_records(records), first_trans_id=2).problem.offset == 0
+
+
+def test_encode_record_refuses_what_it_could_not_read_back(monkeypatch):
+    monkeypatch.setattr(fmt, "MAX_RECORD_BYTES", 10)
+    with pytest.raises(ValueError):
+        fmt.encode_record(make_records(1)[0])
+
+
+def test_resync_finds_the_next_valid_frame_only():
+    records = make_records(4)
+    frames = [fmt.encode_record(r) for r in records]
+    buf = bytearray(b"".join(frames))
+    buf[8 + 2] ^= 1  # corrupt the first payload
+    assert fmt.resync(bytes(buf), 1) == len(frames[0])
+    assert fmt.resync(bytes(buf), 1, after_trans_id=4) is None  # none beyond 4
+    assert fmt.resync(b"\x93" * 100 + bytes(50), 0) is None
+    assert fmt.resync(bytes(buf[:len(frames[0]) + 5]), 1) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_scan_any_bytes_gives_records_or_a_problem(junk):
+    good = fmt.encode_records(make_records(2))
+    for buf in (junk, good + junk):
+        result = fmt.scan(buf)
+        assert (result.problem is None) == (result.good_end_offset == len(buf))
+        if result.problem is not None:
+            assert result.problem.kind in ("torn", "corrupt")
+            assert result.problem.offset == result.good_end_offset
+        fmt.resync(buf, 0)  # never raises
+
+
+def test_frame_offsets():
+    frames = [fmt.encode_record(r) for r in make_records(5)]
+    buf = b"".join(frames)
+    starts = [sum(len(f) for f in frames[:i]) for i in range(5)]
+    assert fmt.frame_offsets(buf) == starts
+    assert fmt.frame_offsets(buf, limit=2) == starts[:2]
+    assert fmt.frame_offsets(buf[:-1]) == starts[:4]
+
+
+# -- snapshots ----------------------------------------------------------------
+
+def small_store() -> Store:
+    store = Store(queue_size=1000)
+    for i in range(30):
+        req = ProduceRequest(queue=f"q{i % 3}", data=f"m{i}" * (i + 1), delay_s=None,
+                             ttl_s=None, retry_s=float(i % 2))
+        store.apply(store.decide_produce(req, 1_700_000_000_000 + i))
+    store.apply(Consume(queue="q1", msg_id=1, retry_at_ms=1_800_000_000_000))
+    return store
+
+
+def reload(state) -> list:
+    store = Store(queue_size=1000)
+    store.load_wire(state)
+    store._check()
+    return store.to_wire()
+
+
+@pytest.mark.parametrize("source", ["to_wire", "iter"])
+def test_snapshot_round_trip(source):
+    store = small_store()
+    state = store.to_wire() if source == "to_wire" else fmt.store_wire_iter(store)
+    pieces = list(fmt.encode_snapshot_chunks(17, 3, state))
+    blob = b"".join(pieces)
+    trans_id, vote_id, decoded = fmt.decode_snapshot(blob)
+    assert (trans_id, vote_id) == (17, 3)
+    assert reload(decoded) == store.to_wire()
+    # the same bytes in other pieces: as produced, one byte at a time, odd blocks
+    for chunks in (pieces, [blob[i:i + 1] for i in range(len(blob))],
+                   [blob[i:i + 7] for i in range(0, len(blob), 7)]):
+        assert reload(fmt.decode_snapshot(iter(chunks))[2]) == store.to_wire()
+
+
+def test_snapshot_of_empty_state():
+    blob = b"".join(fmt.encode_snapshot_chunks(0, 0, []))
+    assert fmt.decode_snapshot(blob) == (0, 0, [])
+
+
+def test_snapshot_large_queue_is_chunked():
+    msgs = [(i, "x" * 100, 1, 2, 0, 0) for i in range(1, 20_001)]
+    pieces = list(fmt.encode_snapshot_chunks(5, 1, [("big", 20_000, iter(msgs))]))
+    assert len(pieces) > 2
+    assert max(len(p) for p in pieces) < 2 * 1024 * 1024
+    _, _, state = fmt.decode_snapshot(pieces)
+    assert state == [["big", 20_000, msgs]]
+
+
+def test_snapshot_every_truncation_and_flipped_byte_is_refused():
+    blob = b"".join(fmt.encode_snapshot_chunks(9, 2, small_store().to_wire()))
+    for cut in range(0, len(blob), 97):
+        with pytest.raises(ValueError):
+            fmt.decode_snapshot(blob[:cut])
+    with pytest.raises(ValueError):
+        fmt.decode_snapshot(blob[:-1])
+    for i in range(0, len(blob), 89):
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        with pytest.raises(ValueError):
+            fmt.decode_snapshot(bytes(bad))
+    with pytest.raises(ValueError, match="after the snapshot"):
+        fmt.decode_snapshot(blob + b"\0")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_snapshot_any_bytes_decode_or_value_error(junk):
+    header = struct.pack(">4sBQQ", b"QSNP", 1, 1, 1)
+    for buf in (junk, header + junk):
+        try:
+            fmt.decode_snapshot(buf)
+        except ValueError:
+            pass
+
+
+# -- the vote -----------------------------------------------------------------
+
+def test_vote_round_trip_and_damage():
+    blob = fmt.encode_vote(7, 3)
+    assert fmt.decode_vote(blob) == (7, 3)
+    assert fmt.decode_vote(fmt.encode_vote(0, 0)) == (0, 0)
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 1
+        with pytest.raises(ValueError):
+            fmt.decode_vote(bytes(bad))
+    with pytest.raises(ValueError):
+        fmt.decode_vote(blob[:-1])
