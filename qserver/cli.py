@@ -18,6 +18,7 @@ import sys
 
 from .config import Config, load_config, log_level
 from .errors import ConfigError
+from .storage import StorageError
 
 __all__ = ["main"]
 
@@ -108,11 +109,13 @@ def _local_cluster(paths: list[str]) -> int:
 async def _run(config: Config) -> int:
     from .server import Node
 
-    if config.storage_dir:
-        logging.getLogger("qserver").warning(
-            "%s: <storage dir=%s>: persistence is not implemented yet; "
-            "this node keeps everything in memory", config.source, config.storage_dir)
-    node = Node(config)
+    try:
+        node = Node(config)
+    except StorageError as exc:
+        logging.getLogger("qserver").error("cannot recover from storage: %s", exc)
+        print(f"qserver: storage error: {exc} (see README: Storage, to re-sync this node)",
+              file=sys.stderr)
+        return 1
     try:
         await node.start()
     except OSError as exc:

@@ -1,10 +1,17 @@
 """The asyncio adapter of the native engine: one NativeCore, its peer links,
-its timer, and request forwarding.
+its storage, its timer, and request forwarding.
 
 Mechanical by design: a peer message is decoded and stepped into the core; a
 proposal is handed to the core; once per event-loop turn the core's `Ready`
 is carried out in order (persist vote, persist log, send, answer); one timer
 is armed for the core's next deadline. Nothing else mutates the core.
+
+Storage (when configured): the vote is saved (always fsynced) before any
+message goes out; log changes are written before anything is sent or
+answered; with fsync=always they are also fsynced then, once per turn (group
+commit); with fsync=batch a timer fsyncs every BATCH_SYNC_MS; with off, the
+OS decides. A node configured alone but with storage runs this engine too,
+with no peers: it elects itself at once and commits on its own.
 
 Forwarding: a slave relays a client request to the master as a `Forward`
 message over the internal link and relays the `ForwardReply` back; if the
@@ -32,6 +39,7 @@ from .replication.messages import (
     message_to_wire,
 )
 from .replication.native import NativeCore, Timing
+from .storage import DiskStorage
 from .store import Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
@@ -41,6 +49,9 @@ log = logging.getLogger("qserver.cluster")
 # A forwarded request that the master has not answered in this time is
 # answered "forward timeout" (the write may or may not have happened).
 FORWARD_TIMEOUT_S = 10.0
+
+# fsync=batch: how often written-but-unsynced log records are fsynced.
+BATCH_SYNC_MS = 5
 
 # Heartbeats every 100 ms; a master silent for 600-1200 ms is replaced, so a
 # failover completes in well under 2 s, while a briefly busy event loop on a
@@ -56,19 +67,25 @@ class ClusterEngine:
     """The native engine on real sockets; the service's `Engine`."""
 
     def __init__(self, *, config: Config, store: Store, log_: Log,
+                 storage: DiskStorage | None = None, vote: tuple[int, int] = (0, 0),
                  timing: Timing = DEFAULT_TIMING) -> None:
         self.config = config
-        me = next(p for p in config.peers if p.node_id == config.node_id)
+        self.storage = storage
+        peers = [p for p in config.peers if p.node_id != config.node_id]
         self.core = NativeCore(
-            node_id=config.node_id, peer_ids=[p.node_id for p in config.peers], store=store,
+            node_id=config.node_id, peer_ids=[p.node_id for p in peers], store=store,
             log=log_, me=LeaderInfo(node_id=config.node_id, host=config.host, port=config.port),
             rng=random.Random(), now_ms=now_ms(), timing=timing,
             async_mode=config.mode.value == "async", sync_rate=config.sync_rate,
-            log_size=config.log_size)
-        self.net = PeerNetwork(
-            node_id=config.node_id, listen=(me.host, me.port),
-            peers={p.node_id: (p.host, p.port) for p in config.peers if p.node_id != config.node_id},
-            secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+            log_size=config.log_size, vote_id=vote[0], voted_for=vote[1])
+        self.net: PeerNetwork | None = None
+        if peers:
+            me = next(p for p in config.peers if p.node_id == config.node_id)
+            self.net = PeerNetwork(
+                node_id=config.node_id, listen=(me.host, me.port),
+                peers={p.node_id: (p.host, p.port) for p in peers},
+                secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+        self._batch_timer: asyncio.TimerHandle | None = None
         self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -91,7 +108,7 @@ class ClusterEngine:
         return self.core.status()
 
     def slaves(self) -> list[dict]:
-        connected = self.net.connected_ids()
+        connected = self.net.connected_ids() if self.net else set()
         out = self.core.slaves()
         for s in out:
             s["connected"] = s["node_id"] in connected
@@ -104,7 +121,8 @@ class ClusterEngine:
     def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
         """Relay a client request to the master; False if none is reachable."""
         leader_id = self.core.leader_id
-        if not leader_id or leader_id == self.config.node_id or not self.net.connected(leader_id):
+        if (not leader_id or leader_id == self.config.node_id or self.net is None
+                or not self.net.connected(leader_id)):
             return False
         request_id = self._next_forward
         self._next_forward += 1
@@ -120,17 +138,23 @@ class ClusterEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await self.net.start()
+        if self.net is not None:
+            await self.net.start()
+            log.info("node %d: cluster of %d, internal port %s, mode %s", self.config.node_id,
+                     len(self.config.peers), self.net.address[1], self.config.mode.value)
         self._arm_timer()
-        log.info("node %d: cluster of %d, internal port %s, mode %s", self.config.node_id,
-                 len(self.config.peers), self.net.address[1], self.config.mode.value)
 
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
         for request_id in list(self._forwards):
             self._fail_forward(request_id, "node shutting down")
-        await self.net.close()
+        if self.net is not None:
+            await self.net.close()
+        if self.storage is not None:
+            self.storage.close()
 
     # -- events ----------------------------------------------------------------
 
@@ -196,15 +220,17 @@ class ClusterEngine:
     def _flush(self) -> None:
         self._flush_scheduled = False
         ready = self.core.take_ready()
-        # Persist (vote, then log) comes here when storage lands; in memory
-        # the core's own log already holds the records.
-        encoded: dict[int, object] = {}
-        send = self.net.send
-        for peer_id, msg in ready.messages:
-            wire = encoded.get(id(msg))
-            if wire is None:
-                wire = encoded[id(msg)] = message_to_wire(msg)
-            send(peer_id, wire)
+        storage = self.storage
+        if storage is not None:
+            self._persist(storage, ready)
+        if self.net is not None:
+            encoded: dict[int, object] = {}
+            send = self.net.send
+            for peer_id, msg in ready.messages:
+                wire = encoded.get(id(msg))
+                if wire is None:
+                    wire = encoded[id(msg)] = message_to_wire(msg)
+                send(peer_id, wire)
         for answer in ready.answers:
             answer()
         role = self.core.role
@@ -213,6 +239,30 @@ class ClusterEngine:
             log.info("node %d: %s in vote %d (leader %s)", self.config.node_id, role.value,
                      self.core.vote_id, self.core.leader_id or "unknown")
         self._arm_timer()
+
+    def _persist(self, storage: DiskStorage, ready) -> None:
+        """Vote, snapshot, truncation, records: on disk before anything of
+        this turn is sent or answered. A StorageError propagates: the node
+        must stop and recover from disk."""
+        if ready.vote is not None:
+            storage.save_vote(*ready.vote)
+        if ready.snapshot is not None:
+            storage.install_snapshot(*ready.snapshot)
+        if ready.truncate_after is not None:
+            storage.truncate_after(ready.truncate_after)
+        if ready.records:
+            storage.append(ready.records)
+        if storage.dirty:
+            policy = self.config.fsync.value
+            if policy == "always":
+                storage.sync()
+            elif policy == "batch" and self._batch_timer is None:
+                self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
+
+    def _batch_sync(self) -> None:
+        self._batch_timer = None
+        if self.storage is not None and self.storage.dirty:
+            self.storage.sync()
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()

@@ -58,6 +58,7 @@ class NodeProcess:
             [sys.executable, "-m", "qserver", "run", "--config", str(config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         self.stdout_lines: list[str] = []
+        self.stderr_text = ""  # what it wrote to stderr, once stopped
 
     def wait_ready(self, deadline_s: float = START_DEADLINE_S) -> None:
         """Wait for the ready line on stdout; raise with stderr if it dies."""
@@ -84,6 +85,8 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.stderr and not self.proc.stderr.closed:
+            self.stderr_text = self.proc.stderr.read().decode(errors="replace")
         for f in (self.proc.stdout, self.proc.stderr):
             if f:
                 f.close()

@@ -10,8 +10,13 @@ flushes the stepped node's `Ready` in the order the core asks for (persist
 the vote, the snapshot, the log change, then send, then answer clients).
 Messages go through the wire encoding (message_to_wire/message_from_wire),
 so the codec is exercised too. The network drops (`drop_rate`), delays and
-reorders (each message takes 1..`max_delay_ms`), cuts directed links
-(`cut`, `isolate`, `partition`, `heal`), and crashes and restarts nodes.
+reorders (each message takes 1..`max_delay_ms`), duplicates (`dup_rate`),
+cuts directed links (`cut`, `isolate`, `partition`, `heal`), and crashes
+and restarts nodes. Like the cluster adapter, a node may collect the Ready
+of several deliveries before flushing it at the end of the instant
+(`batch_rate`); a crash in between loses what was not flushed. Scenarios
+drop (`drop_if`) or park (`hold_if`, `release`) chosen messages, inject a
+stale one (`deliver`), and record what was sent (`sent`).
 
 A crash loses the node's memory, never its disk (fsync=always). A restart
 builds the store from the disk snapshot only and the log from the records
@@ -48,11 +53,11 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
-from qserver.entries import Confirm, Consume, Noop, Produce, Record
+from qserver.entries import Confirm, Consume, Produce, Record
 from qserver.log import Log
 from qserver.replication.base import LeaderInfo
-from qserver.replication.messages import message_from_wire, message_to_wire
 from qserver.replication import native
+from qserver.replication.messages import VoteReply, message_from_wire, message_to_wire
 from qserver.replication.native import NativeCore, Role, Timing
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.store import Store
@@ -151,10 +156,17 @@ class Network:
         self.drop_if = None
         self.hold_if = None
         self.held: list[tuple[int, int, list]] = []
+        # The cluster adapter flushes a node's Ready once per event-loop
+        # turn, after all the messages that arrived together: with this
+        # probability a delivery leaves the Ready to collect more, until
+        # virtual time moves on (a crash in between loses it unsent).
+        self.batch_rate = 0.0
+        self.dup_rate = 0.0  # chance that a message is delivered twice
+        self.dirty: set[int] = set()
         self.sent: list[tuple[int, int, int, object]] | None = None  # (time, src, dst, msg) when recording
         self.masters_by_vote: dict[int, set[int]] = {}
         self.delivered = 0  # messages delivered (statistics)
-        self.stats = collections.Counter()  # snapshots, truncations, reverts installed/done (statistics)
+        self.stats = collections.Counter()  # snapshots installed, truncations, reverts (statistics)
         self._same_instant = 0
         self.checker = Checker(self) if check else None
         for i in self.ids:
@@ -180,6 +192,8 @@ class Network:
         node.verified_upto = base_t
         node.seen_commit = base_t
         node.was_master_of = -1
+        if self.checker is not None and base_t:
+            self.checker.check_state(node, node.disk_state, base_t, "snapshot on disk")
         self._instrument(node, store)
         vote_id, voted_for = node.disk_vote
         core = NativeCore(node_id=node.node_id, peer_ids=self.ids, store=store, log=log,
@@ -227,6 +241,7 @@ class Network:
         `drop_outgoing`, so are the ones it sent that are still in flight
         (it died before its socket buffers drained)."""
         self.nodes[i].core = None
+        self.dirty.discard(i)
         self.queue = [m for m in self.queue
                       if m[3] != i and not (drop_outgoing and m[2] == i)]
         heapq.heapify(self.queue)
@@ -262,15 +277,18 @@ class Network:
     # -- running -----------------------------------------------------------
 
     def _flush(self, i: int) -> None:
+        self.dirty.discard(i)
         node = self.nodes[i]
         core = node.core
         ready = core.take_ready()
         if ready.vote is not None:
             node.disk_vote = ready.vote
         if ready.snapshot is not None:
-            # The snapshot is the state the core loaded (load_wire), at its base.
-            node.disk_base = ready.snapshot
-            node.disk_state = node.loaded_state
+            # (trans_id, vote_id, state): what storage keeps of a snapshot
+            # installed from the master; the Checker compares the state the
+            # core loaded with the committed sequence.
+            node.disk_base = tuple(ready.snapshot[:2])
+            node.disk_state = ready.snapshot[2] if len(ready.snapshot) > 2 else node.loaded_state
             node.disk_records = []
         if ready.truncate_after is not None:
             node.disk_records = [r for r in node.disk_records if r.trans_id <= ready.truncate_after]
@@ -287,7 +305,12 @@ class Network:
                 self.sent.append((self.now, i, dst, msg))
             self.seq += 1
             delay = self.rng.randrange(1, self.max_delay_ms + 1)
-            heapq.heappush(self.queue, (self.now + delay, self.seq, i, dst, message_to_wire(msg)))
+            wire = message_to_wire(msg)
+            heapq.heappush(self.queue, (self.now + delay, self.seq, i, dst, wire))
+            if self.dup_rate and self.rng.random() < self.dup_rate:
+                self.seq += 1
+                delay = self.rng.randrange(1, self.max_delay_ms + 1)
+                heapq.heappush(self.queue, (self.now + delay, self.seq, i, dst, wire))
         for answer in ready.answers:
             answer()
 
@@ -297,6 +320,11 @@ class Network:
         next_timer = min((n.core.next_deadline() for n in self.nodes.values() if n.core), default=None)
         if next_msg is None and next_timer is None:
             return False
+        if self.dirty and min(t for t in (next_msg, next_timer) if t is not None) > self.now:
+            for i in sorted(self.dirty):  # the end of this instant's event-loop turn
+                self._flush(i)
+            self.observe()
+            return True
         before = self.now
         if next_msg is not None and (next_timer is None or next_msg <= next_timer):
             at, _, src, dst, wire = heapq.heappop(self.queue)
@@ -312,7 +340,10 @@ class Network:
                 return True
             node.core.step(msg, self.now)
             self.delivered += 1
-            self._flush(dst)
+            if self.batch_rate and self.rng.random() < self.batch_rate:
+                self.dirty.add(dst)
+            else:
+                self._flush(dst)
             self.observe((dst,))
         else:
             self.now = max(self.now, next_timer)
@@ -330,6 +361,14 @@ class Network:
         else:
             self._same_instant = 0
         return True
+
+    def deliver(self, src: int, dst: int, msg) -> None:
+        """Hand `msg` (as if sent by `src`) to `dst` now, through the wire
+        codec: a scenario's stale or late message."""
+        self.nodes[dst].core.step(message_from_wire(message_to_wire(msg)), self.now)
+        self.delivered += 1
+        self._flush(dst)
+        self.observe((dst,))
 
     def run_for(self, ms: int) -> None:
         end = self.now + ms
@@ -426,6 +465,7 @@ class Checker:
         self.ref_pos = 0
         self.ref_cache: dict[int, list] = {0: []}
         self.observations = 0
+        self.granted: dict[tuple[int, int], int] = {}  # (voter, vote_id) -> candidate
 
     def fail(self, text: str) -> None:
         raise SimFailure(f"seed {self.net.seed}: t={self.net.now - START_MS}ms: {text}")
@@ -442,12 +482,27 @@ class Checker:
                       f"{prev_vote}, another log holds {seen[0]} after vote {seen[1]}")
 
     def on_persist(self, node: SimNode, ready) -> None:
+        """Called by Network._flush once the Ready is on disk, before its
+        messages go out."""
+        for dst, msg in ready.messages:
+            if type(msg) is VoteReply and msg.granted and not msg.pre:
+                # A node votes at most once per vote_id, and persists the
+                # vote before the reply goes out (or has moved on to a later
+                # epoch within the same Ready).
+                key = (node.node_id, msg.vote_id)
+                first = self.granted.setdefault(key, dst)
+                if first != dst:
+                    self.fail(f"node {node.node_id} granted vote {msg.vote_id} to {first} and to {dst}")
+                vote = node.disk_vote
+                if vote != (msg.vote_id, dst) and vote[0] <= msg.vote_id:
+                    self.fail(f"node {node.node_id} grants vote {msg.vote_id} to {dst} "
+                              f"with {vote} on disk")
         for record in ready.records:
             self.note_record(node.node_id, record, node.disk_vote_at(record.trans_id - 1))
         if ready.snapshot is not None:
-            t, v = ready.snapshot
+            t, v = ready.snapshot[:2]
             if t > len(self.committed) or self.committed[t - 1].vote_id != v:
-                self.fail(f"node {node.node_id} installed a snapshot at {ready.snapshot} "
+                self.fail(f"node {node.node_id} installed a snapshot at {ready.snapshot[:2]} "
                           f"that is not a committed position")
 
     def check_logs(self) -> None:
@@ -503,11 +558,15 @@ class Checker:
         committed = self.committed
         log = core.log
         for t in range(node.seen_commit + 1, c + 1):
-            record = log.get(t) or node.disk_record(t)
+            record = log.get(t)
             if record is None:
-                if t > len(committed):
+                if t <= len(committed):
+                    # Compacted, or inside a snapshot it installed: what it
+                    # applied there is checked by _check_applied.
+                    continue
+                record = self._unlogged_record(node, t)
+                if record is None:
                     self.fail(f"node {node.node_id} commits trans_id {t} that nobody holds")
-                continue  # inside a snapshot it installed: already known
             if t <= len(committed):
                 known = committed[t - 1]
                 if known.vote_id != record.vote_id or not same(known.entry, record.entry):
@@ -519,13 +578,26 @@ class Checker:
                 self.fail(f"node {node.node_id} commits {t} past the known end {len(committed)}")
         node.seen_commit = c
 
+    @staticmethod
+    def _unlogged_record(node: SimNode, t: int) -> Record | None:
+        """The record at t that the node committed and compacted away in
+        the same step: in its unflushed Ready, or on its disk (unless the
+        unflushed Ready replaces that part of the disk)."""
+        ready = node.core.ready
+        for record in ready.records:
+            if record.trans_id == t:
+                return record
+        if ready.snapshot is not None or (ready.truncate_after is not None and t > ready.truncate_after):
+            return None
+        return node.disk_record(t)
+
     def _check_new_master(self, node: SimNode) -> None:
         log = node.core.log
         committed = self.committed
         base = log.base_trans_id
-        if base > len(committed):
-            self.fail(f"invariant 2: new master {node.node_id} has a snapshot base {base} "
-                      f"beyond the committed end {len(committed)}")
+        if base > len(committed) or (base and committed[base - 1].vote_id != log.base_vote_id):
+            self.fail(f"invariant 2: new master {node.node_id} has a log base {base} that is "
+                      f"not a committed position (committed end {len(committed)})")
         for t in range(base + 1, len(committed) + 1):
             record = log.get(t)
             known = committed[t - 1]
@@ -597,9 +669,7 @@ class Checker:
             if core.applied_id != core.commit_id:
                 if strict:
                     self.fail(f"node {node.node_id}: applied {core.applied_id} != commit {core.commit_id}")
-                if core.role is Role.MASTER:
-                    continue
-                # A deposed master's speculative entries must be its log's.
+                # A master's (or deposed master's) speculative entries are its log's.
                 for k, entry in enumerate(node.applied[core.commit_id - node.applied_base:]):
                     record = core.log.get(core.commit_id + 1 + k)
                     if record is None or not same(record.entry, entry):
@@ -610,6 +680,8 @@ class Checker:
                 self.check_state(node, core.store.to_wire(), core.applied_id, "store")
 
     def final_check(self) -> None:
+        for i in sorted(self.net.dirty):
+            self.net._flush(i)
         self.check_logs()
         self.check_stores(strict=True)
 
@@ -651,8 +723,10 @@ class Workload:
         self.events = 0
         self.counter = 0
         self.produced: dict[str, _Produced] = {}  # data -> what the master decided
-        self.deliveries: dict[str, list[_Delivery]] = {}  # data -> acknowledged deliveries
-        self.confirmed: dict[str, int] = {}  # data -> event number of the acknowledged confirm
+        # A message is (data, queue): a produce to a virtual queue makes one
+        # per real queue, with the same data.
+        self.deliveries: dict[tuple[str, str], list[_Delivery]] = {}  # message -> acknowledged deliveries
+        self.confirmed: dict[tuple[str, str], int] = {}  # message -> event number of the confirm's ack
         self.answers = {"ok": 0, "error": 0}
 
     def fail(self, text: str) -> None:
@@ -683,7 +757,9 @@ class Workload:
             return None
         core = self.net.core(m)
         rng = self.rng
-        queue = queue or rng.choice(self.queues)
+        if queue is None:
+            virtual = sorted(self.net.virtual_queues)
+            queue = rng.choice(virtual) if virtual and rng.random() < 0.15 else rng.choice(self.queues)
         if retry_s is None:
             retry_s = rng.choice((0, 0, 0.2, 1))
         if delay_s is RANDOM:
@@ -739,12 +815,12 @@ class Workload:
         m = self.net.master()
         if m is None:
             return
-        candidates = [d for d, ds in self.deliveries.items()
-                      if ds[-1].retry_at_ms and d not in self.confirmed]
+        candidates = [key for key, ds in self.deliveries.items()
+                      if ds[-1].retry_at_ms and key not in self.confirmed]
         if not candidates:
             return
-        data = self.rng.choice(sorted(candidates))
-        last = self.deliveries[data][-1]
+        key = self.rng.choice(sorted(candidates))
+        last = self.deliveries[key][-1]
         entry = self.net.core(m).store.decide_confirm(ConfirmRequest(queue=last.queue, msg_id=last.msg_id))
         if entry is None or type(entry) is str:
             return
@@ -755,7 +831,7 @@ class Workload:
                 self.answers["error"] += 1
                 return
             self.answers["ok"] += 1
-            self.confirmed.setdefault(data, self._tick())
+            self.confirmed.setdefault(key, self._tick())
 
         self.net.propose(m, entry, _Callback(done))
 
@@ -769,7 +845,8 @@ class Workload:
             self.fail(f"delivered {data} as {d.queue}/{d.msg_id}; it was produced as {info.targets}")
         if d.now_ms < info.ready_ms:
             self.fail(f"{data} delivered at {d.now_ms}, before its ready time {info.ready_ms}")
-        before = self.deliveries.setdefault(data, [])
+        key = (data, d.queue)
+        before = self.deliveries.setdefault(key, [])
         if self.strict:
             if not info.retry_ms and before:
                 self.fail(f"retry=0 message {data} delivered twice")
@@ -783,7 +860,7 @@ class Workload:
                 if second.now_ms < first.retry_at_ms:
                     self.fail(f"{data} redelivered at {second.now_ms}, before its retry time "
                               f"{first.retry_at_ms}")
-            confirmed = self.confirmed.get(data)
+            confirmed = self.confirmed.get(key)
             if confirmed is not None and confirmed < d.decided_at:
                 self.fail(f"{data} delivered after its confirm was acknowledged")
         before.append(d)
@@ -799,8 +876,11 @@ class Workload:
         produced_at: dict[str, tuple[int, tuple]] = {}
         deleted: dict[tuple[str, int], int] = {}
         owner: dict[tuple[str, int], str] = {}
+        consumes: set[tuple[str, int, int]] = set()
         for record in committed:
             e = record.entry
+            if type(e) is Consume:
+                consumes.add((e.queue, e.msg_id, e.retry_at_ms))
             if type(e) is Produce:
                 produced_at[e.data] = (record.trans_id, e.targets)
                 for target in e.targets:
@@ -828,8 +908,10 @@ class Workload:
                 if msg is None or message_data(msg) != data:
                     self.fail(f"acknowledged {data} ({queue}/{msg_id}) is neither delivered for "
                               f"good, confirmed, nor in the master's store")
-        for data, ds in self.deliveries.items():
+        for (data, _queue), ds in self.deliveries.items():
             for d in ds:
+                if (d.queue, d.msg_id, d.retry_at_ms) not in consumes:
+                    self.fail(f"acknowledged delivery of {data} as {d.queue}/{d.msg_id} was lost")
                 if owner.get((d.queue, d.msg_id)) != data:
                     self.fail(f"acknowledged delivery of {data} as {d.queue}/{d.msg_id}, "
                               f"which the committed log gives to {owner.get((d.queue, d.msg_id))}")
@@ -881,13 +963,16 @@ def _run_schedule(seed, n, async_mode, chaos_ms, settle_ms) -> ScheduleStats:
     rng = random.Random(f"schedule-{seed}-{n}-{async_mode}")
     log_size = rng.choice((100_000, 100_000, 40, 10, 4))
     sync_rate = rng.choice((100_000, 100_000, 500, 60))
-    net = Network(n, seed, async_mode=async_mode, log_size=log_size, sync_rate=sync_rate)
+    net = Network(n, seed, async_mode=async_mode, log_size=log_size, sync_rate=sync_rate,
+                  virtual_queues={"ab": ("a", "b")})
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
     net.drop_rate = rng.choice((0.0, 0.0, 0.02, 0.1))
+    net.batch_rate = rng.choice((0.0, 0.0, 0.5, 0.9))
+    net.dup_rate = rng.choice((0.0, 0.0, 0.0, 0.05))
     work = Workload(net, random.Random(rng.random()), strict=not async_mode)
     crash_ok = rng.random() < 0.7
     fault_rate = rng.choice((0.2, 0.4, 0.6))
-    chaos_ms = chaos_ms if chaos_ms is not None else rng.randrange(2000, 4000)
+    chaos_ms = chaos_ms if chaos_ms is not None else rng.randrange(2000, 5000)
     end = net.now + chaos_ms
     crashed: set[int] = set()
     ids = net.ids
@@ -928,14 +1013,14 @@ def _run_schedule(seed, n, async_mode, chaos_ms, settle_ms) -> ScheduleStats:
 
     faults = [  # (weight, action)
         (10, lambda: net.isolate(rng.choice(ids))),
-        (12, lambda: net.master() is not None and net.isolate(net.master())),
+        (16, lambda: net.master() is not None and net.isolate(net.master())),
         (8, lambda: net.partition(set(rng.sample(ids, rng.randrange(1, minority + 1))))),
         (8, partition_master),
         (8, lambda: net.cut.add(tuple(rng.sample(ids, 2)))),
         (5, cut_master_link),
         (18, net.heal),
         (6, lambda: crash(rng.choice(ids))),
-        (6, lambda: crash(net.master())),
+        (8, lambda: crash(net.master())),
         (12, restart),
         (4, set_drop),
         (3, set_delay),

@@ -119,7 +119,7 @@ class Ready:
     vote: tuple[int, int] | None = None  # (vote_id, voted_for) to persist
     truncate_after: int | None = None  # drop persisted records after this trans_id
     records: list[Record] = field(default_factory=list)  # to append to the log on disk
-    snapshot: tuple[int, int] | None = None  # (trans_id, vote_id) of a snapshot installed
+    snapshot: tuple[int, int, list] | None = None  # (trans_id, vote_id, state) installed from the master
     messages: list[tuple[int, Message]] = field(default_factory=list)  # (to node_id, message)
     answers: list[Callable[[], None]] = field(default_factory=list)
 
@@ -180,7 +180,8 @@ class NativeCore:
         self.last_pull: tuple[int, int] | None = None  # (trans_id, vote_id) of our last pull
         self.pull_due_ms = 0
         self.heartbeat_due_ms = now_ms
-        self.election_due_ms = now_ms + self._election_timeout()
+        # Alone, there is nobody to wait for: elect ourselves at the first tick.
+        self.election_due_ms = now_ms if not self.peers else now_ms + self._election_timeout()
         self.refill_ms = now_ms  # last sync_rate budget refill
         self.ready = Ready()
 
@@ -619,7 +620,15 @@ class NativeCore:
                 records = records[skip:]
                 prev = log.base_trans_id
         if log.vote_id_at(prev) != msg.prev_vote_id:
-            self._maybe_pull(now_ms, near=prev)
+            # Votes never decrease along a log, so none of our entries up to
+            # prev with a newer vote than the master's entry at prev is in
+            # its log: pull from before all of them, not one per round trip
+            # (heartbeats restart a slow walk back from our last entry, and
+            # it never ends).
+            near = min(prev, log.last_trans_id)
+            while near > log.base_trans_id and log.vote_id_at(near) > msg.prev_vote_id:
+                near -= 1
+            self._maybe_pull(now_ms, near=near)
             return
         for record in records:
             mine = log.get(record.trans_id)
@@ -696,6 +705,6 @@ class NativeCore:
         self.commit_id = self.applied_id = msg.trans_id
         self.ready.records = []
         self.ready.truncate_after = None
-        self.ready.snapshot = (msg.trans_id, msg.log_vote_id)
+        self.ready.snapshot = (msg.trans_id, msg.log_vote_id, msg.state)
         self.last_pull = None
         self._maybe_pull(now_ms)

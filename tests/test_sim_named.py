@@ -1,0 +1,553 @@
+"""Named scenarios on the simulated network (tests/sim.py), each one a way
+queue_server's replication failed or a replication protocol commonly fails.
+The sim's Checker verifies design.md's invariants 1 to 4 after every
+delivered message and timer in all of them; each test adds the property
+its scenario is about."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from qserver.replication import native
+from qserver.replication.messages import (
+    Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire)
+from qserver.replication.native import Role, Timing
+from qserver.requests import ConsumeRequest, ProduceRequest
+from sim import Network, Workload, message_data
+
+E = 300  # the sim's election_ms (Timing(heartbeat_ms=50, election_ms=300, pull_retry_ms=100))
+
+
+@pytest.fixture(autouse=True)
+def small_compaction_slack(monkeypatch):
+    # Compact as soon as the log passes log_size, so that a few dozen
+    # entries are enough to push a lagging slave onto a snapshot.
+    monkeypatch.setattr(native, "COMPACT_SLACK", 0)
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def produce(net: Network, node: int, queue: str, data: str, results: list, retry_s: float = 0) -> None:
+    """A client produce on `node` (which must be master), as service.py does it."""
+    core = net.core(node)
+    entry = core.store.decide_produce(
+        ProduceRequest(queue=queue, data=data, delay_s=None, ttl_s=None, retry_s=retry_s), net.now)
+    net.propose(node, entry, results)
+
+
+def consume(net: Network, node: int, queue: str, results: list) -> bool:
+    entry = net.core(node).store.decide_consume(ConsumeRequest(queue=queue), net.now)
+    if entry is None:
+        return False
+    net.propose(node, entry, results)
+    return True
+
+
+def master_except(net: Network, *excluded: int) -> int | None:
+    """The highest-vote master that is not one of `excluded`."""
+    best = None
+    for i in net.ids:
+        c = net.core(i)
+        if i not in excluded and c is not None and c.role is Role.MASTER:
+            if best is None or c.vote_id > net.core(best).vote_id:
+                best = i
+    return best
+
+
+def elect(net: Network, *excluded: int) -> int:
+    assert net.run_until(lambda: master_except(net, *excluded) is not None, 10_000), \
+        f"seed {net.seed}: no master elected"
+    return master_except(net, *excluded)
+
+
+def settle(net: Network, max_ms: int = 10_000) -> int:
+    assert net.run_until(net.converged, max_ms), f"seed {net.seed}: the cluster did not converge"
+    net.checker.final_check()
+    return net.master()
+
+
+def wires(net: Network) -> dict[int, list]:
+    return {i: net.core(i).store.to_wire() for i in net.ids if net.core(i) is not None}
+
+
+def all_data(net: Network, i: int) -> set[str]:
+    return {message_data(m) for q in net.core(i).store.queues.values() for m in q.messages.values()}
+
+
+def log_data(net: Network, i: int) -> set[str]:
+    return {r.entry.data for r in net.core(i).log.records if hasattr(r.entry, "data")}
+
+
+# -- (a) a deposed master whose log is longer but older ------------------------
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("new_master_dies", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_deposed_master_with_longer_older_log_loses_and_truncates(n, new_master_dies, seed):
+    """queue_server compared the bare trans_id first: a master cut off from
+    the others kept appending, and on return its longer (but older) log won
+    and erased what the others had committed. Here: master A of vote v
+    appends 6 entries that reach only itself; B, master of v + 1, commits
+    3 (a Noop and 2 produces). A must never win again against nodes holding
+    B's entries, and its extra entries (applied speculatively to its store)
+    must be truncated and taken back."""
+    net = Network(n, seed)
+    net.sent = []
+    a = elect(net)
+    early = []
+    for k in range(3):
+        produce(net, a, "q", f"early{k}", early)
+    assert net.run_until(lambda: len(early) == 3, 5_000) and all(e is None for _, e in early)
+    settle(net)
+
+    net.isolate(a)
+    lost = []
+    for k in range(6):
+        produce(net, a, "q", f"lost{k}", lost)
+    vote_a = net.core(a).vote_id
+    assert {f"lost{k}" for k in range(6)} <= all_data(net, a)  # applied speculatively
+
+    b = elect(net, a)
+    assert net.core(b).vote_id > vote_a
+    won = []
+    for k in range(2):
+        produce(net, b, "q", f"won{k}", won)
+    assert net.run_until(lambda: len(won) == 2, 5_000) and all(e is None for _, e in won)
+    core_a, core_b = net.core(a), net.core(b)
+    # The situation queue_server's ballot got wrong: A's log is longer, B's newer.
+    assert core_a.log.last_trans_id > core_b.log.last_trans_id
+    assert core_a.log.last_position()[0] < core_b.log.last_position()[0]
+    # Cut off from its majority, A steps down (check-quorum), keeping its log.
+    assert net.run_until(lambda: net.core(a).role is not Role.MASTER, 3 * E)
+    assert all(error is not None for _r, error in lost)
+
+    net.heal()
+    if new_master_dies:
+        # Only A and nodes holding B's entries are left, and A asks first.
+        net.crash(b, drop_outgoing=True)
+        net.core(a).election_due_ms = net.now
+    sent_before = len(net.sent)
+    m = elect(net, *((b,) if new_master_dies else ()))
+    assert m != a
+    if new_master_dies:
+        m = settle(net)
+        net.start(b)
+    m = settle(net)
+    assert m != a
+    for vote, masters in net.masters_by_vote.items():
+        assert vote <= vote_a or a not in masters, f"seed {seed}: A won vote {vote}"
+    # No up-to-date node granted A a real vote after the heal.
+    for _t, src, dst, msg in net.sent[sent_before:]:
+        if dst == a and type(msg) is VoteReply and msg.granted and not msg.pre:
+            assert False, f"seed {seed}: node {src} granted the deposed master its vote {msg.vote_id}"
+    # A's clients heard "outcome unknown" (when it stepped down), never ok.
+    assert len(lost) == 6 and all(error is not None for _r, error in lost)
+    # A's lone entries are gone from its log and its store; every store is the same.
+    assert not {f"lost{k}" for k in range(6)} & (log_data(net, a) | all_data(net, a))
+    assert {f"early{k}" for k in range(3)} | {"won0", "won1"} <= all_data(net, a)
+    w = wires(net)
+    assert all(v == w[m] for v in w.values()), f"seed {seed}: stores differ"
+    assert net.stats["reverts"] >= 6 and net.stats["truncations"] >= 1
+
+
+# -- (b) a split vote in which one voter could grant two candidates ----------
+
+
+@pytest.mark.parametrize("voter_restarts", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_split_vote_voter_grants_at_most_one(voter_restarts, seed):
+    """Nodes 1 and 2 become candidates for the same vote_id; node 3 sees
+    both requests. It must grant at most one (its vote is persisted, so not
+    even a restart between the two requests changes that); there is at
+    most one master per vote_id; then the cluster converges on one master
+    that everyone follows."""
+    net = Network(3, seed)
+    net.sent = []
+    c1, c2, c3 = (net.core(i) for i in (1, 2, 3))
+    c1.election_due_ms = c2.election_due_ms = net.now + 10
+    c3.election_due_ms = net.now + 100 * E
+    # Until both are candidates, only node 1's request to node 3 goes
+    # through, and node 3's answer waits.
+    net.hold_if = lambda src, dst, msg: (
+        (type(msg) is VoteRequest and not msg.pre and (src, dst) != (1, 3))
+        or (src == 3 and type(msg) is VoteReply and not msg.pre))
+    assert net.run_until(lambda: c1.role is Role.CANDIDATE and c2.role is Role.CANDIDATE
+                         and c1.vote_id == c2.vote_id and net.core(3).voted_for == 1, 5_000)
+    vote = c1.vote_id
+    assert net.nodes[3].disk_vote == (vote, 1)
+    if voter_restarts:
+        net.crash(3)
+        net.start(3)
+        net.core(3).election_due_ms = net.now + 100 * E
+    net.hold_if = None
+    net.release()
+    net.run_for(50)
+    grants = [(src, dst) for _t, src, dst, msg in net.sent
+              if type(msg) is VoteReply and msg.granted and not msg.pre and msg.vote_id == vote
+              and src == 3]
+    assert grants and all(dst == 1 for _src, dst in grants), grants
+    assert net.masters_by_vote.get(vote, set()) <= {1}
+    m = settle(net)
+    assert all(len(v) == 1 for v in net.masters_by_vote.values()), net.masters_by_vote
+    for i in net.ids:
+        if i != m:
+            assert net.core(i).leader_id == m and net.core(i).role is Role.SLAVE
+
+
+# -- (c) a slave that learned the master before it could pull ---------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("sync_rate", [100_000, 40])
+def test_slave_that_never_pulled_catches_up_without_new_writes(seed, sync_rate):
+    """A slave hears of the master from one heartbeat while its own link to
+    the master is down, so the pull that heartbeat triggers is lost; then
+    every later heartbeat to it is lost too. When its link comes back it
+    must catch up by pulling on its own timer, with no client writing
+    anything (queue_server pulled only when a push arrived)."""
+    net = Network(3, seed, sync_rate=sync_rate)
+    m = elect(net)
+    s = next(i for i in net.ids if i != m)
+    net.crash(s)
+    results = []
+    for k in range(30):
+        produce(net, m, "q", f"m{k}", results, retry_s=1 if k % 3 else 0)
+    assert net.run_until(lambda: len(results) == 30, 5_000)
+    c = []
+    for _ in range(5):
+        consume(net, m, "q", c)
+    net.run_for(200)
+
+    heartbeats_seen = []
+    down_until = net.now + 5 * E  # the slave's link to the master is down until then
+
+    def drop(src, dst, msg):
+        if dst == s and type(msg) is Push and not msg.records:
+            if heartbeats_seen:  # the first heartbeat gets through, no other
+                return True
+            heartbeats_seen.append(msg)
+            return False
+        return src == s and dst == m and net.now < down_until  # its pulls are lost
+
+    net.drop_if = drop
+    net.start(s)
+    assert net.run_until(lambda: heartbeats_seen, 1_000)
+    assert net.core(s).leader_id == m and net.core(s).log.last_trans_id < net.core(m).log.last_trans_id
+    proposed = net.core(m).log.last_trans_id
+    assert net.run_until(lambda: net.converged(), 10 * E + 30 * 1000 // sync_rate * 4), \
+        f"seed {seed}: the slave did not catch up: {net.core(s).status()} vs {net.core(m).status()}"
+    assert net.core(m).log.last_trans_id == proposed  # no new writes did it
+    assert net.core(s).store.to_wire() == net.core(m).store.to_wire()
+    net.checker.final_check()
+
+
+# -- (d) a vote collision is retried promptly ----------------------------------
+
+
+@pytest.mark.parametrize("timing", [None, Timing()], ids=["sim-timing", "default-timing"])
+def test_split_vote_without_winner_is_retried_within_a_few_election_timeouts(timing):
+    """All three nodes become candidates of the same vote_id and each votes
+    for itself: nobody can win. A master must follow within about 2-3
+    election timeouts of virtual time (a candidate whose election failed
+    used to ignore every pre-vote reply, so the cluster hung on the split
+    until something else happened)."""
+    waits = []
+    for seed in range(40):
+        net = Network(3, seed, timing=timing)
+        e = net.timing.election_ms
+        for i in net.ids:
+            net.core(i).election_due_ms = net.now + 5
+        # Everyone grants everyone's pre-vote before anyone hears a grant;
+        # nobody sees a real VoteRequest until all three are candidates.
+        net.hold_if = lambda src, dst, msg: type(msg) is VoteReply or (
+            type(msg) is VoteRequest and not msg.pre)
+        assert net.run_until(lambda: sum(type(message_from_wire(w)) is VoteReply
+                                         for _s, _d, w in net.held) == 6, 5 * e)
+        net.hold_if = lambda src, dst, msg: type(msg) is VoteRequest and not msg.pre
+        net.release()
+        assert net.run_until(lambda: all(net.core(i).role is Role.CANDIDATE for i in net.ids), 5 * e)
+        vote = net.core(1).vote_id
+        assert all(net.core(i).vote_id == vote and net.core(i).voted_for == i for i in net.ids)
+        split_at = net.now
+        net.hold_if = None
+        net.release()
+        assert net.run_until(lambda: net.master() is not None, 20 * e), f"seed {seed}: no master"
+        assert vote not in net.masters_by_vote
+        waits.append((net.now - split_at) / e)
+        settle(net)
+    assert max(waits) <= 3.0, f"elections after a split took {sorted(waits)[-5:]} election timeouts"
+    assert sorted(waits)[len(waits) // 2] <= 2.0, sorted(waits)
+
+
+# -- (e) a rejoining slave behind the master's log ------------------------------
+
+
+@pytest.mark.parametrize("entries", [12, 150])
+@pytest.mark.parametrize("sync_rate", [100_000, 200])
+@pytest.mark.parametrize("seed", range(3))
+def test_rejoining_slave_gets_exactly_the_masters_state(entries, sync_rate, seed):
+    """A slave cut off while the master writes `entries` entries (log_size
+    is 40: 150 entries need a snapshot, 12 do not) comes back. It must end
+    with exactly the master's state and trans_id, and at no point hold a
+    store that is not the committed sequence applied up to the trans_id it
+    reports (queue_server's bounded log could leave it with half the
+    messages while it reported the master's trans_id)."""
+    net = Network(3, seed, log_size=40, sync_rate=sync_rate)
+    work = Workload(net, random.Random(seed))
+    m = elect(net)
+    for _ in range(10):
+        work.produce("a", retry_s=1)
+    settle(net)
+    s = next(i for i in net.ids if i != m)
+    net.isolate(s)
+    written = 0
+    for op in itertools.cycle(range(4)):
+        if written >= entries:
+            break
+        before = net.core(m).log.last_trans_id
+        if op == 0 or op == 1:
+            work.produce(retry_s=(0, 1)[written % 2])
+        elif op == 2:
+            work.consume()
+        else:
+            work.confirm()
+        written += net.core(m).log.last_trans_id - before
+        net.run_for(5)
+    assert net.run_until(lambda: net.core(m).commit_id == net.core(m).log.last_trans_id, 5_000)
+    lag = net.core(m).log.last_trans_id - net.core(s).log.last_trans_id
+    assert lag >= entries
+    snapshots_before = net.stats["snapshots"]
+    net.heal()
+    core_s = net.core(s)
+    seen = set()
+
+    def consistent() -> bool:
+        # Whatever the slave reports, its store is the committed sequence
+        # applied up to its applied_id, and nothing past its log.
+        t = core_s.applied_id
+        if t not in seen:
+            seen.add(t)
+            assert core_s.store.to_wire() == net.checker.reference(t), \
+                f"seed {seed}: the slave's store at {t} is not the committed state at {t}"
+        assert core_s.commit_id <= core_s.log.last_trans_id
+        return net.converged()
+
+    assert net.run_until(consistent, 20_000), f"seed {seed}: no catch-up: {core_s.status()}"
+    core_m = net.core(m)
+    assert core_s.status().trans_id == core_m.status().trans_id
+    assert core_s.applied_id == core_m.applied_id
+    assert core_s.store.to_wire() == core_m.store.to_wire()
+    if entries > 40:
+        assert net.stats["snapshots"] > snapshots_before
+    else:
+        assert net.stats["snapshots"] == snapshots_before
+    net.checker.final_check()
+
+
+# -- (f) a failover never reuses the msg_id of an acknowledged produce ------
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("seed", range(5))
+def test_acked_produce_keeps_its_msg_id_across_failovers(n, seed):
+    """queue_server's master answered a produce before any slave had it; a
+    failover then handed the same msg_id to the next message. In quorum
+    mode, the master is killed right after the client hears the ack (with
+    its unsent messages): the new master holds the message with its data,
+    hands out strictly greater ids, and does not deliver again what was
+    consumed with an ack. Three failovers in a row."""
+    net = Network(n, seed)
+    work = Workload(net, random.Random(seed), strict=True)
+    acked: dict[str, tuple] = {}
+    m = elect(net)
+    for _round in range(3):
+        # A pending at-least-once message, and an at-most-once one that a
+        # client then consumes with an ack.
+        names = {}
+        for tag, retry in (("kept", 5), ("gone", 0)):
+            data = names[tag] = work.produce("q", retry_s=retry, delay_s=None, ttl_s=None)
+            assert net.run_until(lambda: work.produced[data].acked_at is not None, 5_000)
+            acked[data] = work.produced[data].targets[0]
+        for _ in range(20):
+            if (names["gone"], "q") in work.deliveries:
+                break
+            work.consume("q")
+            assert net.run_until(lambda: not net.core(m).waiting, 5_000)
+        assert (names["gone"], "q") in work.deliveries
+        # Kill the master right after that ack, before it says anything else.
+        net.crash(m, drop_outgoing=True)
+        m2 = elect(net, m)
+        q = net.core(m2).store.get("q")
+        for data, (queue, msg_id) in acked.items():
+            if (data, queue) in work.deliveries and work.produced[data].retry_ms == 0:
+                assert msg_id not in q.messages, f"seed {seed}: consumed {data} is back"
+            else:
+                assert message_data(q.messages[msg_id]) == data
+        before = q.max_id
+        new = work.produce("q", retry_s=0, delay_s=None, ttl_s=None)
+        assert net.run_until(lambda: work.produced[new].acked_at is not None, 5_000)
+        new_id = work.produced[new].targets[0][1]
+        assert new_id > max(msg_id for _q, msg_id in acked.values()) and new_id > before
+        acked[new] = work.produced[new].targets[0]
+        net.start(m)
+        m = m2
+    m = settle(net)
+    work.final_check(m)
+
+
+# -- regressions found by the randomized schedules -----------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_late_snapshot_never_drops_entries_the_slave_acknowledged(seed):
+    """A snapshot overtaken by pushes (the master sent it for an old pull)
+    reaches a slave whose log already goes past it, entries it has
+    acknowledged and the master counted for a commit. It must keep them:
+    installing the snapshot used to clear the whole log, so the write was
+    acknowledged on a majority of which one node no longer held it
+    (schedule seed 559, 5 nodes, quorum: invariant 2 broke)."""
+    net = Network(3, seed, log_size=4)
+    work = Workload(net, random.Random(seed), strict=True)
+    m = elect(net)
+    for _ in range(8):
+        work.produce("q", retry_s=0, delay_s=None, ttl_s=None)
+    settle(net)
+    s, t = (i for i in net.ids if i != m)
+    net.crash(t)  # m and s are the majority now
+    c0 = net.core(m).commit_id
+    # s hears no heartbeat, so it learns no commit position after c0.
+    net.drop_if = lambda src, dst, msg: dst == s and type(msg) is Push and not msg.records
+    names = [work.produce("q", retry_s=0, delay_s=None, ttl_s=None) for _ in range(5)]
+    assert net.run_until(lambda: all(work.produced[d].acked_at is not None for d in names), 2_000)
+    core_s, core_m = net.core(s), net.core(m)
+    at = core_s.commit_id + 1
+    assert core_s.log.last_trans_id == c0 + 5 > at
+    # The snapshot the master sent when its commit was at `at`.
+    net.deliver(m, s, Snapshot(vote_id=core_m.vote_id, node_id=m, trans_id=at,
+                               log_vote_id=core_m.log.vote_id_at(at), state=net.checker.reference(at)))
+    assert core_s.log.last_trans_id == c0 + 5 and core_s.commit_id == at  # kept, and commits
+    # The acknowledged writes survive the master's death with the slave's copy.
+    net.drop_if = None
+    net.crash(m, drop_outgoing=True)
+    net.start(t)
+    elect(net, m)
+    net.start(m)
+    m = settle(net)
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deposed_master_diverging_at_the_compaction_base_gets_a_snapshot(seed):
+    """A deposed master's lone entries straddle the new master's compaction
+    base: the first position their logs can share is the base itself, and
+    the entries there differ. Only a snapshot can repair that; the master
+    used to answer every pull with an empty push from its base, and the
+    two nodes pulled and pushed forever (seeds 282 and 32: no convergence)."""
+    log_size = 10
+    net = Network(3, seed, log_size=log_size)
+    a = elect(net)
+    early = []
+    for k in range(3):
+        produce(net, a, "q", f"early{k}", early)
+    settle(net)
+    net.isolate(a)
+    lost = []
+    for k in range(10):
+        produce(net, a, "q", f"lost{k}", lost)
+    first_lost = net.core(a).log.last_trans_id - 9
+    b = elect(net, a)
+    assert net.run_until(lambda: net.core(a).role is not Role.MASTER, 3 * E)
+    won = []
+    for k in range(log_size + 4):
+        produce(net, b, "q", f"won{k}", won)
+    assert net.run_until(lambda: len(won) == log_size + 4, 5_000)
+    base = net.core(b).log.base_trans_id
+    assert first_lost < base <= net.core(a).log.last_trans_id, (first_lost, base)
+    net.heal()
+    m = settle(net)
+    assert m != a
+    assert net.stats["snapshots"] >= 1
+    assert net.core(a).store.to_wire() == net.core(m).store.to_wire()
+    assert not {f"lost{k}" for k in range(10)} & all_data(net, a)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slave_answered_by_stale_pulls_still_learns_the_commit(seed):
+    """A slave's repeated pulls for one position reach the master late and
+    together. The first answer brings the slave up to date; the later ones,
+    cut short by the sync_rate budget, make the master believe the slave
+    holds less than it does, so every heartbeat told the slave a commit
+    position far behind, and its store waited for the next client write
+    (seeds 1459 and 658). Without any new write it must catch up."""
+    timing = Timing(heartbeat_ms=50, election_ms=2_000, pull_retry_ms=100)
+    net = Network(3, seed, timing=timing, sync_rate=30)
+    m = elect(net)
+    settle(net)
+    s, t = (i for i in net.ids if i != m)
+    net.crash(t)  # commits need s
+    net.isolate(s)
+    results = []
+    for k in range(20):
+        produce(net, m, "q", f"m{k}", results)
+    net.run_for(100)
+    net.heal()
+    net.hold_if = lambda src, dst, msg: src == s and dst == m and type(msg) is Pull
+    assert net.run_until(lambda: len(net.held) >= 3, 1_000)
+    net.hold_if = None
+    net.release()
+    proposed = net.core(m).log.last_trans_id
+    assert net.run_until(lambda: len(results) == 20, 1_000)
+    assert net.run_until(net.converged, 1_000), \
+        f"seed {seed}: {net.core(s).status()} vs master {net.core(m).status()}"
+    assert net.core(m).log.last_trans_id == proposed
+    assert net.core(s).store.to_wire() == net.core(m).store.to_wire()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_slave_with_newer_but_lost_entries_finds_the_common_point_quickly(seed):
+    """Master A of vote 1 appends 20 entries that reach only itself; B, master
+    of vote 2, appends 15 entries at the same positions that reach only
+    itself; A comes back and wins vote 3 (its log is the most up to date
+    left), which commits A's vote-1 entries. When B returns, its entries
+    carry a newer vote than the master's at the same positions. Walking
+    back one entry per pull, and starting over from its last entry at
+    every heartbeat, B took some 40 pulls here, and in a 5-node schedule
+    never found the common point (seed 200309); it must skip its whole run
+    of vote-2 entries at once."""
+    net = Network(3, seed)
+    net.sent = []
+    a = elect(net)
+    settle(net)
+    b, c = (i for i in net.ids if i != a)
+    net.isolate(a)
+    lone_a = []
+    for k in range(20):
+        produce(net, a, "q", f"a{k}", lone_a)
+    net.core(c).election_due_ms = net.now + 100 * E  # b is the one to ask
+    assert net.run_until(lambda: net.core(b).role is Role.MASTER, 5 * E)
+    net.isolate(b)  # at once: its Noop does not reach c
+    lone_b = []
+    for k in range(15):
+        produce(net, b, "q", f"b{k}", lone_b)
+    assert net.core(c).log.last_trans_id < net.core(a).log.last_trans_id
+    net.heal()
+    net.isolate(b)
+    m = elect(net, b)
+    assert m == a and net.core(a).vote_id > net.core(b).vote_id
+    settle_a = net.run_until(lambda: net.core(c).commit_id == net.core(a).log.last_trans_id, 5 * E)
+    assert settle_a
+    at = net.core(a).log.get(net.core(b).log.last_trans_id)
+    assert at.vote_id < net.core(b).log.last_position()[0]  # the master's entry there is older
+    pulls_before = sum(1 for _t, src, _d, msg in net.sent if src == b and type(msg) is Pull)
+    net.heal()
+    assert net.run_until(net.converged, 4 * E), \
+        f"seed {seed}: {net.core(b).status()} vs master {net.core(a).status()}"
+    pulls = sum(1 for _t, src, _d, msg in net.sent if src == b and type(msg) is Pull) - pulls_before
+    assert pulls <= 6, f"seed {seed}: {pulls} pulls to find the common point"
+    assert not {f"b{k}" for k in range(15)} & all_data(net, b)
+    assert net.core(b).store.to_wire() == net.core(a).store.to_wire()
