@@ -29,6 +29,8 @@ from .errors import InvariantError
 
 __all__ = ["Log", "COMPACT_SLACK"]
 
+_new = tuple.__new__
+
 # Compaction runs when the log holds this many records over its bound, not on
 # every append: one popleft loop per 1,024 appends instead of one call each.
 COMPACT_SLACK = 1024
@@ -63,8 +65,11 @@ class Log:
 
     def append_entry(self, entry: Entry, vote_id: int) -> Record:
         """Append `entry` as the next record under `vote_id`. O(1)."""
-        record = Record(self.base_trans_id + len(self.records) + 1, vote_id, entry)
-        self.records.append(record)
+        records = self.records
+        # tuple.__new__: the same Record, without NamedTuple's Python-level
+        # __new__ (this runs on every write).
+        record = _new(Record, (self.base_trans_id + len(records) + 1, vote_id, entry))
+        records.append(record)
         return record
 
     def append(self, record: Record) -> None:
@@ -111,10 +116,15 @@ class Log:
     def compact(self, keep: int, upto: int) -> int:
         """Drop the oldest records so that at most `keep` remain, never past
         trans_id `upto` (what is applied). Returns how many. O(dropped)."""
-        dropped = 0
         records = self.records
-        while len(records) > keep and records[0].trans_id <= upto:
-            r = records.popleft()
-            self.base_trans_id, self.base_vote_id = r.trans_id, r.vote_id
-            dropped += 1
+        # records[0].trans_id == base_trans_id + 1, so the records at or
+        # below `upto` are the first upto - base_trans_id.
+        dropped = min(len(records) - keep, upto - self.base_trans_id)
+        if dropped <= 0:
+            return 0
+        popleft = records.popleft
+        for _ in range(dropped - 1):
+            popleft()
+        r = popleft()
+        self.base_trans_id, self.base_vote_id = r.trans_id, r.vote_id
         return dropped

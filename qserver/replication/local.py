@@ -26,25 +26,31 @@ class LocalEngine:
         self.log = log
         self.me = me
         self.log_size = log_size  # records kept in memory (queue_server's log_size)
+        self._compact_above = log_size + COMPACT_SLACK  # log length that triggers compact
+        self._apply_by_kind = store.apply_by_kind  # Store.apply without its dispatch call
         self.vote_id = 1
-
-    @property
-    def is_master(self) -> bool:
-        return True
+        # A plain attribute, not a property: the service reads it on every
+        # request. Never changes: one node is master forever.
+        self.is_master = True
 
     def leader(self) -> LeaderInfo | None:
         return self.me
 
     # The service may skip the `done` callback and take the result from
     # `commit_now` directly: this engine commits every entry at once.
+    # Such an engine is always master (the service's fast path relies on it).
     commits_at_once = True
 
     def commit_now(self, entry: Entry) -> object:
         """Append, apply and commit `entry`; return what apply returned."""
         log = self.log
         record = log.append_entry(entry, self.vote_id)
-        result = self.store.apply(entry)
-        if len(log.records) > self.log_size + COMPACT_SLACK:
+        try:
+            apply = self._apply_by_kind[type(entry)]
+        except KeyError:  # not an entry: Store.apply raises the error
+            apply = self.store.apply
+        result = apply(entry, None)
+        if len(log.records) > self._compact_above:
             log.compact(self.log_size, record.trans_id)
         return result
 
