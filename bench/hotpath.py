@@ -1,7 +1,8 @@
 """qserver's per-request Python cost, in process, against the no-op floor.
 
     python bench/hotpath.py [--n 50000] [--repeat 5] [--protos tcp,udp]
-                            [--modes produce,consume,confirm] [--profile]
+                            [--modes produce,consume,confirm] [--prefill N]
+                            [--profile]
 
 No sockets: the request bytes go straight into the protocol classes
 (`ClientTcpProtocol.data_received`, `ClientUdpProtocol.datagram_received`)
@@ -18,7 +19,15 @@ generator's request: queue "bench", 40 bytes of data, absolute delay and
 ttl, retry 30, a seq), `--n` consumes (each delivers one of those messages,
 which moves to the retry index) and `--n` confirms of the delivered ids.
 The floor gets the same bytes. The garbage collector is set as the server
-sets it. Prints min/median/max microseconds of CPU time per request for both
+sets it.
+
+`--prefill N` first produces N messages, untimed, so that the steps run
+against a larger store and, from the node's log_size (100,000) on, a full
+log that frees its oldest records as it goes: the server's steady state,
+where the garbage collector costs more per request (it scans the young
+log records and messages). Without it the log never fills.
+
+Prints min/median/max microseconds of CPU time per request for both
 sides (process time, so that other load on a shared machine moves the
 figures less than wall time would), the difference of the medians and the
 ratio.
@@ -117,10 +126,13 @@ def make_floor(proto: str):
     return handler, transport
 
 
-def run_steps(make, proto: str, modes, payloads: dict, profile: str | None = None) -> dict:
+def run_steps(make, proto: str, modes, payloads: dict, profile: str | None = None,
+              prefill: list[bytes] = ()) -> dict:
     """One repeat: a fresh server, then each step in order; us/request per step."""
     handler, transport = make(proto)
     feed = feeder(proto, handler)
+    for p in prefill:
+        feed(p)
     out = {}
     for mode in MODES:
         batch = payloads[mode]
@@ -158,6 +170,8 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--protos", default=",".join(PROTOS))
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="produce N messages first, untimed")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     protos = args.protos.split(",")
@@ -165,10 +179,11 @@ async def main(argv: list[str] | None = None) -> int:
     gc.set_threshold(*GC_THRESHOLDS)
     now_s = int(time.time())
     payloads = {m: requests(m, args.n, now_s) for m in MODES}
+    prefill = requests("produce", args.prefill, now_s)
     gc.freeze()
     if args.profile:
         for proto in protos:
-            run_steps(make_qserver, proto, modes, payloads, profile="qserver")
+            run_steps(make_qserver, proto, modes, payloads, profile="qserver", prefill=prefill)
         return 0
     # warm-up (imports, first queue, caches)
     for proto in protos:
@@ -181,11 +196,12 @@ async def main(argv: list[str] | None = None) -> int:
             order = (make_floor, make_qserver) if r % 2 == 0 else (make_qserver, make_floor)
             for make in order:
                 side = "floor" if make is make_floor else "qserver"
-                got = run_steps(make, proto, modes, payloads)
+                got = run_steps(make, proto, modes, payloads, prefill=prefill)
                 for mode in modes:
                     results[(proto, side, mode)].append(got[mode])
                 gc.collect()
-    print(f"us per request, {args.repeat} repeats of {args.n}: min median max")
+    print(f"CPU us per request, {args.repeat} repeats of {args.n}"
+          f"{f' after {args.prefill:,} untimed produces' if args.prefill else ''}: min median max")
     print(f"{'proto':5} {'mode':8} | {'floor':^20} | {'qserver':^20} | {'diff':>6} {'ratio':>6}")
     for proto in protos:
         for mode in modes:
