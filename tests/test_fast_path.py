@@ -1,0 +1,61 @@
+"""The single-node fast path (Service.answer_now) must answer exactly as the
+general path (Service.handle_general) does, and leave the same store and
+log: two services fed the same requests, one through each path."""
+
+import copy
+
+from hypothesis import given, settings, strategies as st
+
+from qserver.config import Config
+from qserver.log import Log
+from qserver.replication import LeaderInfo, LocalEngine
+from qserver.service import Service
+from qserver.store import Store
+
+NOW = 1_700_000_000_000
+
+# Values of the shapes both paths see: ints in and out of range, floats,
+# strings, bools, None, absent.
+_times = st.one_of(st.none(), st.integers(-5, 2_000_000_000), st.floats(0, 100),
+                   st.booleans(), st.just("10"))
+_request = st.fixed_dictionaries(
+    {"action": st.sampled_from([1, 1, 1, 2, 2, 3, 3, 4, 7, True, "1"])},
+    optional={"queue": st.sampled_from(["a", "b", "v", "", 5, "x" * 300]),
+              "data": st.one_of(st.text(max_size=5), st.integers()),
+              "delay": _times, "ttl": _times, "retry": _times,
+              "msg_id": st.one_of(st.integers(-1, 12), st.just("3"), st.booleans()),
+              "seq": st.integers()})
+
+
+def _service() -> Service:
+    config = Config(queue_size=4, virtual_queues={"v": ("a", "b")})
+    store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
+    log = Log()
+    engine = LocalEngine(store=store, log=log, me=LeaderInfo(node_id=1, host="h", port=1),
+                         log_size=1000)
+    return Service(config=config, store=store, engine=engine)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_request, st.integers(0, 5000)), max_size=40))
+def test_fast_path_matches_general_path(steps):
+    fast, general = _service(), _service()
+    now = NOW
+    for request, advance in steps:
+        now += advance
+        got_fast, got_general = [], []
+        fast.handle(copy.deepcopy(request), now, got_fast.append)
+        general.handle_general(copy.deepcopy(request), now, got_general.append)
+        assert got_fast == got_general, request
+        assert [list(r.items()) for r in got_fast] == [list(r.items()) for r in got_general]
+    assert fast.store.to_wire() == general.store.to_wire()
+    assert list(fast.engine.log.records) == list(general.engine.log.records)
+    fast.store._check()
+
+
+def test_fast_path_is_taken_for_the_usual_shape():
+    """Guards the test above against comparing the general path with itself."""
+    s = _service()
+    assert s.answer_now({"action": 1, "queue": "a", "data": "x", "delay": 0, "ttl": 60,
+                         "retry": 0}, NOW) is not None
+    assert s.answer_now({"action": 4, "queue": "a"}, NOW) is None
