@@ -15,6 +15,13 @@ __all__ = [
     "BadRequest",
     "ProtocolError",
     "InvariantError",
+    "QServerClientError",
+    "InvalidArgument",
+    "ClientConnectionError",
+    "ClientTimeout",
+    "ServerError",
+    "QueueFull",
+    "NoLeader",
 ]
 
 
@@ -62,4 +69,67 @@ class InvariantError(QServerError):
     """Raised when qserver finds its own state broken (an index that lost a
     message, an entry applied out of order). Our fault, never the client's:
     the node stops and recovers from its log on restart.
+    """
+
+
+# -- raised by the client (qserver.client) and the command line ----------------
+
+
+class QServerClientError(QServerError):
+    """Raised never by itself: the root of every error the client
+    (`qserver.client.Client`, `AsyncClient`) and the `qserver` command's
+    client commands raise. Catch this to catch them all.
+    """
+
+
+class InvalidArgument(QServerClientError, ValueError):
+    """Raised when an argument given to the client cannot become a request
+    or an address (data that is not a string, a delay of the wrong type, an
+    unknown key in a `produce_many` item, a malformed "host:port"), before
+    anything is sent. Also a `ValueError`, as Python's own argument errors.
+    """
+
+
+class ClientConnectionError(QServerClientError):
+    """Raised when no node could be reached for the whole retry time: every
+    node refused the connection, reset or closed it, or sent something that
+    is not a JSON answer. Carries the address tried last.
+    """
+
+
+class ClientTimeout(QServerClientError):
+    """Raised when the node asked last did not answer within the client's
+    `timeout`, and no other node did before the retry time ran out. The
+    request may or may not have taken effect.
+    """
+
+
+class ServerError(QServerClientError):
+    """Raised when a node answered code -1 (or a redirect that cannot be
+    followed): the request was understood and refused. Carries the wire
+    `code` and `reason`, the whole `response`, and for `produce_many` the
+    `index` of the item that failed (None otherwise).
+    """
+
+    def __init__(self, code: int, reason: str, response: dict | None = None,
+                 index: int | None = None) -> None:
+        self.code = code
+        self.reason = reason
+        self.response = response if response is not None else {}
+        self.index = index
+        where = f" (item {index})" if index is not None else ""
+        super().__init__(f"{reason}{where}")
+
+
+class QueueFull(ServerError):
+    """Raised when a produce was refused because the queue (or, for a
+    virtual queue, one of its real queues) holds `queue_size` messages:
+    the server's reason "queue full: NAME". Nothing was produced.
+    """
+
+
+class NoLeader(ServerError):
+    """Raised when the cluster had no master (the server's reason "no
+    leader": an election in progress, or the node is cut off from the
+    majority) for the whole retry time.
     """
