@@ -21,6 +21,7 @@ import time
 from collections import deque
 
 from .config import Config
+from .config import Engine as ConfigEngine
 from .errors import BadRequest, ProtocolError
 from .log import Log
 from .protocol import (
@@ -235,9 +236,15 @@ class Node:
         self.log = Log()
         self.storage = None
         vote = (0, 0)
-        if config.storage_dir:
+        if config.storage_dir and config.engine is not ConfigEngine.RAFT:
             vote = self._recover(config)
-        if len(config.peers) > 1 or self.storage is not None:
+        if config.engine is ConfigEngine.RAFT:
+            # pysyncobj keeps its own journal and snapshot in the data
+            # directory and recovers from them itself (raft_engine).
+            from .raft_engine import RaftEngine
+
+            self.engine = RaftEngine(config=config, store=self.store)
+        elif len(config.peers) > 1 or self.storage is not None:
             from .cluster import ClusterEngine
 
             self.engine = ClusterEngine(config=config, store=self.store, log_=self.log,

@@ -169,11 +169,21 @@ def cluster_config(node_id: int, client_ports: list[int], internal_ports: list[i
             f'  <cluster{secret_attr}>\n{nodes}\n  </cluster>\n{extra}</config>\n')
 
 
+def with_engine(extra: str, engine: str | None) -> str:
+    """`extra` config text with `<replication engine=...>` set (merged into
+    a `<replication>` element already there); unchanged for None."""
+    if engine is None:
+        return extra
+    if "<replication" in extra:
+        return extra.replace("<replication", f'<replication engine="{engine}"', 1)
+    return extra + f'  <replication engine="{engine}"/>\n'
+
+
 class Cluster:
     """A local cluster of real `qserver run` processes on free ports."""
 
     def __init__(self, tmp_path: Path, n: int = 3, extra: str = "",
-                 secrets: list[str | None] | None = None) -> None:
+                 secrets: list[str | None] | None = None, engine: str | None = None) -> None:
         self.tmp_path = tmp_path
         self.n = n
         ports: set[int] = set()
@@ -182,7 +192,8 @@ class Cluster:
         ports_l = sorted(ports)
         self.client_ports = ports_l[:n]
         self.internal_ports = ports_l[n:]
-        self.extra = extra
+        self.extra = with_engine(extra, engine)
+        self.engine = engine or "native"
         self.secrets = secrets or ["test-secret"] * n
         self.nodes: dict[int, NodeProcess] = {}
 

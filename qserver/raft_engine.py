@@ -1,0 +1,556 @@
+"""The raft engine (`<replication engine="raft">`): qserver's state machine
+replicated by pysyncobj, behind the same `Engine` interface as the native
+engine.
+
+Theory of operation
+-------------------
+pysyncobj runs its own thread (election, log replication, its journal and
+snapshots) on its own port: the node's internal port + RAFT_PORT_OFFSET.
+Commands are qserver's log entries in their wire form (msgpack, wrapped by
+`replication.raft`), never pickles of our objects. Everything that touches
+the store runs on the asyncio thread: pysyncobj's thread hands over each
+committed command, each change of its raft state, each failed proposal and
+each snapshot with `loop.call_soon_threadsafe`, so the loop sees them in the
+order pysyncobj produced them. `replication.raft.RaftMachine` decides, on
+every node alike, which committed commands count, and keeps the master's
+speculatively applied entries (see its docstring for why that is safe).
+
+Forwarding and redirects use the native engine's peer links (`peers`,
+authenticated msgpack on the internal port): a `Hello` on every link tells
+each node the others' client addresses; a slave relays a client request as
+`Forward` to the node pysyncobj names as leader and relays the
+`ForwardReply`.
+
+Authentication: pysyncobj always runs with a password (without one it
+unpickles whatever reaches its port). It is HMAC-SHA256 of `<cluster
+secret>` with a fixed label; with no secret configured it is derived from
+the node list, which every node knows, so it protects nothing: a loud
+warning says so.
+
+Durability (pysyncobj 0.3.17 writes its journal through mmap and its term
+and vote with write+rename, and fsyncs neither): with `<storage dir>` the
+journal and the snapshot live in that directory (`raft.journal`,
+`raft.journal.meta`, `raft.dump`), and this module closes the gap:
+the term and vote are fsynced (file and directory) before pysyncobj can
+send anything that depends on them, and with fsync="always" the journal is
+fsynced before any message leaves the node (so a follower's acknowledgement
+and a vote are durable before they are sent, and the leader's own copy is
+durable before anyone can acknowledge it) and before a committed command is
+handed to the store (a single node). fsync="batch" fsyncs the journal every
+BATCH_SYNC_MS from pysyncobj's thread; "off" leaves it to the OS. Without
+storage everything is in memory (a temporary directory holds snapshots in
+transit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import msgpack
+import pysyncobj.syncobj as _pso
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.journal import FileJournal, MemoryJournal
+from pysyncobj.node import TCPNode
+from pysyncobj.transport import TCPTransport
+
+from .config import Config, Fsync
+from .entries import Entry
+from .peers import PeerNetwork
+from .replication.base import Done, EngineStatus, LeaderInfo
+from .replication.messages import Forward, ForwardReply, Hello, message_from_wire, message_to_wire
+from .replication.raft import RaftMachine
+from .store import Store
+
+__all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
+
+log = logging.getLogger("qserver.raft")
+
+# pysyncobj listens on the internal port + this (the internal port itself
+# carries the peer links used for forwarding). Documented in the README.
+RAFT_PORT_OFFSET = 1000
+
+# As the native engine: a forwarded request unanswered this long is
+# answered "forward timeout; outcome unknown".
+FORWARD_TIMEOUT_S = 10.0
+
+# fsync="batch": the journal is fsynced at most this long after a write.
+BATCH_SYNC_MS = 5
+
+# How long pysyncobj's thread waits for the loop to hand it a snapshot of
+# the store before giving up (it retries at its next compaction).
+SNAPSHOT_WAIT_S = 30.0
+
+# The label of the password derivation: changing it splits clusters.
+_PASSWORD_LABEL = b"qserver raft password v1"
+
+# pysyncobj's raft states (its _RAFT_STATE values).
+_FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
+
+# pysyncobj timings, chosen like the native engine's: elections after
+# 600-1200 ms of silence, heartbeats every 100 ms, and a leader that has
+# not heard from a majority for 1.2 s steps down (pysyncobj's default is
+# 30 s, which would leave clients of a cut-off leader waiting that long).
+_RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=0.1,
+                    leaderFallbackTimeout=1.2, connectionTimeout=3.5,
+                    connectionRetryTime=0.5)
+
+
+def raft_password(config: Config) -> str:
+    """The password pysyncobj encrypts and authenticates its links with."""
+    if config.secret is not None:
+        key = config.secret.encode()
+    else:
+        nodes = ",".join(f"{p.node_id}@{p.host}:{p.port}" for p in sorted(
+            config.peers, key=lambda p: p.node_id))
+        key = f"no secret: {nodes}".encode()
+    return hmac.new(key, _PASSWORD_LABEL, hashlib.sha256).hexdigest()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DurableJournal(FileJournal):
+    """pysyncobj's file journal, with what it lacks for invariant 5: the
+    term and vote reach the disk (file and directory fsynced) before
+    `setCurrentTerm` returns, i.e. before a vote is sent; `sync()` fsyncs
+    the entries written since the last one."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+        self.dir = os.path.dirname(os.path.abspath(path))
+        self.dirty = False  # entries written and not yet fsynced
+        self.syncs = 0  # fsyncs done (for tests)
+
+    def add(self, command, idx, term):
+        super().add(command, idx, term)
+        self.dirty = True
+
+    def clear(self):
+        super().clear()
+        self.dirty = True
+
+    def deleteEntriesFrom(self, entryFrom):
+        super().deleteEntriesFrom(entryFrom)
+        self.dirty = True
+
+    def deleteEntriesTo(self, entryTo):
+        # Compaction: the new dump was renamed into place just before; make
+        # the rename durable before the entries it replaces go.
+        _fsync_path(self.dir)
+        super().deleteEntriesTo(entryTo)
+        self.dirty = True
+
+    def setCurrentTerm(self, term, votedForNodeId):
+        super().setCurrentTerm(term, votedForNodeId)  # writes .meta.tmp, renames
+        _fsync_path(self.path + ".meta")
+        _fsync_path(self.dir)
+
+    def sync(self) -> None:
+        """fsync the journal if anything was written since the last sync."""
+        if self.dirty:
+            self.dirty = False
+            self.flush()  # msync of the mapping
+            _fsync_path(self.path)  # and the file's size
+            self.syncs += 1
+
+
+class _PersistingTransport(TCPTransport):
+    """pysyncobj's TCP transport, which persists before it sends."""
+
+    def send(self, node, message):
+        self._syncObj._before_send()
+        return super().send(node, message)
+
+
+_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _journal_factory(factory: Callable[[str | None], object]):
+    """Make SyncObj.__init__ build its journal with `factory`. pysyncobj
+    offers no hook for the journal class; its constructor calls the module
+    global `createJournal`, so that name is swapped for the duration of one
+    construction (under a lock) and put back."""
+    with _patch_lock:
+        original = _pso.createJournal
+        _pso.createJournal = factory
+        try:
+            yield
+        finally:
+            _pso.createJournal = original
+
+
+class _QueueSync(SyncObj):
+    """The SyncObj: one replicated method, which hands each committed command
+    to the engine. Holds no state of its own (snapshots come from the store,
+    through the engine's serializer hooks)."""
+
+    def __init__(self, engine: "RaftEngine", self_addr: str, other_addrs: list[str],
+                 conf: SyncObjConf) -> None:
+        self._engine = engine
+        self._journal: DurableJournal | None = None
+        self._policy = engine.config.fsync
+        self._last_sync = 0.0
+
+        def make_journal(path):
+            if path is None:
+                return MemoryJournal()
+            self._journal = DurableJournal(path)
+            return self._journal
+
+        with _journal_factory(make_journal):
+            super().__init__(self_addr, other_addrs, conf, transportClass=_PersistingTransport)
+        if self._journal is not None and self._policy is Fsync.BATCH:
+            self.addOnTickCallback(self._batch_sync)
+
+    @replicated
+    def _commit(self, payload: bytes) -> None:
+        # Runs on pysyncobj's thread, in log order, on every node.
+        if self._journal is not None and self._policy is Fsync.ALWAYS:
+            self._journal.sync()
+        self._engine._from_thread(self._engine._on_committed, self.raftLastApplied + 1, payload)
+
+    def _before_send(self) -> None:
+        if self._journal is not None and self._policy is Fsync.ALWAYS:
+            self._journal.sync()
+
+    def _batch_sync(self) -> None:
+        now = time.monotonic()
+        if self._journal.dirty and now - self._last_sync >= BATCH_SYNC_MS / 1000:
+            self._last_sync = now
+            self._journal.sync()
+
+    def last_index(self) -> int:
+        """The index of the last entry in the raft log (read from the loop
+        thread: a single list read; pysyncobj has no public accessor)."""
+        try:
+            return self._SyncObj__raftLog[-1][1]
+        except (IndexError, AttributeError):
+            return self.raftCommitIndex
+
+
+class RaftEngine:
+    """The service's `Engine` on pysyncobj."""
+
+    def __init__(self, *, config: Config, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+        self.machine = RaftMachine(store=store, node_id=config.node_id,
+                                   async_mode=config.mode.value == "async")
+        peers = config.peers or ()
+        self._raft_addr: dict[int, str] = {p.node_id: f"{p.host}:{p.port + RAFT_PORT_OFFSET}"
+                                           for p in peers}
+        self._node_by_addr = {a: n for n, a in self._raft_addr.items()}
+        self._clients: dict[int, LeaderInfo] = {config.node_id: self.me}
+        others = [p for p in peers if p.node_id != config.node_id]
+        self.net: PeerNetwork | None = None
+        if others:
+            me = next(p for p in peers if p.node_id == config.node_id)
+            self.net = PeerNetwork(
+                node_id=config.node_id, listen=(me.host, me.port),
+                peers={p.node_id: (p.host, p.port) for p in others},
+                secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+        self.sync: _QueueSync | None = None
+        self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tmp_dir: str | None = None
+        self._raft_state = _FOLLOWER  # pysyncobj's state, as last reported to the loop
+        self._leader_term: int | None = None  # term in which pysyncobj made us leader
+        self._closing = False
+        self._forwards: dict[int, tuple[Callable[[dict], None], asyncio.TimerHandle, int]] = {}
+        self._next_forward = 1
+        self._last_role: str | None = None
+        # A plain attribute, not a property: the service reads it per request.
+        self.is_master = False
+
+    # -- Engine interface --------------------------------------------------------
+
+    def leader(self) -> LeaderInfo | None:
+        if self.is_master:
+            return self.me
+        node = self.sync._getLeader() if self.sync is not None else None
+        if node is None:
+            return None
+        node_id = self._node_by_addr.get(node.address)
+        if node_id is None or node_id == self.config.node_id:
+            return None  # ourselves, not yet ready to decide
+        return self._clients.get(node_id)
+
+    def status(self) -> EngineStatus:
+        s = self.sync
+        if s is None:
+            return EngineStatus(role="slave", vote_id=0, trans_id=0, commit_id=0,
+                                applied_id=0, log_size=0)
+        return EngineStatus(role=self._role(), vote_id=s.raftCurrentTerm, trans_id=s.last_index(),
+                            commit_id=s.raftCommitIndex, applied_id=self.machine.applied_index,
+                            log_size=s._getRaftLogSize())
+
+    def slaves(self) -> list[dict]:
+        """Per slave: match position and lag, from pysyncobj's status."""
+        if self.sync is None:
+            return []
+        connected = self.net.connected_ids() if self.net else set()
+        last = self.sync.last_index()
+        status = self._thread_call(self.sync.getStatus)
+        out = []
+        for node_id, addr in sorted(self._raft_addr.items()):
+            if node_id == self.config.node_id:
+                continue
+            match = (status or {}).get("match_idx_server_" + addr, 0)
+            out.append({"node_id": node_id, "match_id": match, "lag": last - match,
+                        "connected": node_id in connected})
+        return out
+
+    def propose(self, entry: Entry, done: Done) -> None:
+        payload = self.machine.propose(entry, done)
+        if payload is not None:
+            self._submit(payload)
+
+    def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
+        """Relay a client request to the master; False if none is reachable."""
+        leader = self.leader()
+        if leader is None or self.net is None or not self.net.connected(leader.node_id):
+            return False
+        request_id = self._next_forward
+        self._next_forward += 1
+        msg = Forward(vote_id=self._term(), node_id=self.config.node_id,
+                      request_id=request_id, request=request)
+        if not self.net.send(leader.node_id, message_to_wire(msg)):
+            return False
+        timer = self._loop.call_later(FORWARD_TIMEOUT_S, self._fail_forward, request_id,
+                                      "forward timeout; outcome unknown")
+        self._forwards[request_id] = (respond, timer, leader.node_id)
+        return True
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config
+        if cfg.secret is None:
+            log.warning("node %d: raft engine without <cluster secret>: pysyncobj's password "
+                        "is derived from the node list, which gives NO security; anyone who "
+                        "can reach the raft ports can inject commands. Configure a secret.",
+                        cfg.node_id)
+        if cfg.storage_dir:
+            os.makedirs(cfg.storage_dir, exist_ok=True)
+            data_dir, journal = cfg.storage_dir, os.path.join(cfg.storage_dir, "raft.journal")
+        else:
+            self._tmp_dir = data_dir = tempfile.mkdtemp(prefix="qserver-raft-")
+            journal = None
+        conf = SyncObjConf(
+            password=raft_password(cfg), journalFile=journal,
+            fullDumpFile=os.path.join(data_dir, "raft.dump"),
+            serializer=self._serialize, deserializer=self._deserialize,
+            dynamicMembershipChange=False, autoTick=True, appendEntriesUseBatch=False,
+            commandsWaitLeader=False, onStateChanged=self._on_state_changed,
+            logCompactionMinEntries=max(2, cfg.log_size), **_RAFT_TIMING)
+        if self.net is not None:
+            await self.net.start()
+        if cfg.peers:
+            self_addr = self._raft_addr[cfg.node_id]
+            others = [a for n, a in sorted(self._raft_addr.items()) if n != cfg.node_id]
+        else:
+            self_addr = f"{cfg.host}:0"  # one node: pysyncobj needs an address, binds nothing useful
+            others = []
+        self.sync = _QueueSync(self, self_addr, others, conf)
+        log.info("node %d: raft engine (pysyncobj) on %s, %d other node(s), storage %s, fsync %s",
+                 cfg.node_id, self_addr, len(others), cfg.storage_dir or "none (memory)",
+                 cfg.fsync.value if cfg.storage_dir else "-")
+
+    async def close(self) -> None:
+        self._closing = True
+        for request_id in list(self._forwards):
+            self._fail_forward(request_id, "node shutting down")
+        if self.sync is not None:
+            await asyncio.to_thread(self.sync.destroy_synchronous)
+        if self.net is not None:
+            await self.net.close()
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+
+    # -- from pysyncobj's thread -------------------------------------------------------
+
+    def _from_thread(self, fn, *args) -> None:
+        """Run fn(*args) on the loop, after everything handed over before it."""
+        loop = self._loop
+        if loop is None or self._closing:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the node is stopping
+            pass
+
+    def _thread_call(self, fn):
+        """Best effort: fn() read from the loop thread (pysyncobj's status);
+        None if it raced with pysyncobj's thread."""
+        try:
+            return fn()
+        except RuntimeError:  # a dict changed size while being read
+            return None
+
+    def _on_state_changed(self, old: int, new: int) -> None:
+        self._from_thread(self._on_state, new, self.sync.raftCurrentTerm if self.sync else 0)
+
+    def _proposal_callback(self, result, error) -> None:
+        if error != FAIL_REASON.SUCCESS:
+            self._from_thread(self._on_proposal_error, error)
+
+    def _serialize(self, path: str, data) -> None:
+        """pysyncobj's snapshot hook (its thread): the store's wire form at
+        the last applied index, taken on the loop, written as msgpack."""
+        last, prev, cluster = data
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                fut.set_result(self.machine.snapshot())
+            except BaseException as exc:  # reported to pysyncobj's thread
+                fut.set_exception(exc)
+
+        if self._loop is None or self._closing:
+            raise RuntimeError("node stopping")
+        self._loop.call_soon_threadsafe(take)
+        state = fut.result(SNAPSHOT_WAIT_S)
+        body = msgpack.packb([state, list(last), list(prev), sorted(n.address for n in cluster)],
+                             use_bin_type=True)
+        with open(path, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _deserialize(self, path: str):
+        """pysyncobj's snapshot-loading hook (its thread): hand the state to
+        the loop; give pysyncobj back its two log entries and node set."""
+        with open(path, "rb") as f:
+            state, last, prev, cluster = msgpack.unpackb(f.read(), raw=False,
+                                                         strict_map_key=False)
+        last, prev = tuple(last), tuple(prev)
+        self._from_thread(self._on_snapshot, last[1], state)
+        return last, prev, {TCPNode(a) for a in cluster}
+
+    # -- on the loop -----------------------------------------------------------------------
+
+    def _submit(self, payload: bytes) -> None:
+        self.sync._commit(payload, callback=self._proposal_callback)
+
+    def _on_committed(self, index: int, payload: bytes) -> None:
+        answers = self.machine.apply_committed(index, payload)
+        self._after(answers)
+
+    def _on_snapshot(self, index: int, state: list) -> None:
+        log.info("node %d: loading raft snapshot at index %d", self.config.node_id, index)
+        self._after(self.machine.load_snapshot(index, state))
+
+    def _on_state(self, new: int, term: int) -> None:
+        self._raft_state = new
+        answers: list = []
+        if new == _LEADER:
+            self._leader_term = term
+        elif self._leader_term is not None:
+            self._leader_term = None
+            answers = self.machine.lose_leadership()
+        self._after(answers)
+
+    def _on_proposal_error(self, error: int) -> None:
+        answers: list = []
+        if self.machine.pending:
+            answers = self.machine.proposal_failed()
+        elif self.machine.barrier_wanted is not None and not self.machine.is_master:
+            self.machine.barrier_wanted = None  # the barrier itself failed
+        self._after(answers)
+
+    def _after(self, answers: list) -> None:
+        """Answer clients, then make sure a leader is working towards
+        deciding (a barrier in flight), and log role changes."""
+        m = self.machine
+        if (self._leader_term is not None and not m.is_master and m.barrier_wanted is None
+                and not self._closing):
+            self._submit(m.make_barrier(self._leader_term))
+        self.is_master = self._leader_term is not None and m.is_master
+        for answer in answers:
+            answer()
+        role = self._role()
+        if role != self._last_role:
+            self._last_role = role
+            log.info("node %d: %s in term %d", self.config.node_id, role, self._term())
+
+    def _role(self) -> str:
+        if self.is_master:
+            return "master"
+        if self._raft_state == _FOLLOWER:
+            return "slave"
+        return "candidate"  # electing, or elected and not yet deciding
+
+    def _term(self) -> int:
+        return self.sync.raftCurrentTerm if self.sync is not None else 0
+
+    # -- peer links: client addresses and forwarding ----------------------------------------
+
+    def _on_link(self, peer_id: int, up: bool) -> None:
+        if up:
+            self.net.send(peer_id, message_to_wire(Hello(
+                vote_id=self._term(), node_id=self.config.node_id,
+                client_host=self.config.host, client_port=self.config.port)))
+        else:
+            for request_id, (_, _, target) in list(self._forwards.items()):
+                if target == peer_id:
+                    self._fail_forward(request_id, "master unreachable; outcome unknown")
+
+    def _on_message(self, peer_id: int, obj: object) -> None:
+        try:
+            msg = message_from_wire(obj)
+        except ValueError as exc:
+            log.warning("node %d: bad message from node %d: %s", self.config.node_id, peer_id, exc)
+            return
+        if msg.node_id != peer_id:
+            log.warning("node %d: node %d sent a message as node %d; dropped",
+                        self.config.node_id, peer_id, msg.node_id)
+            return
+        t = type(msg)
+        if t is Hello:
+            self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
+                                                port=msg.client_port)
+        elif t is Forward:
+            self._serve_forward(peer_id, msg)
+        elif t is ForwardReply:
+            pending = self._forwards.pop(msg.request_id, None)
+            if pending is not None:
+                pending[1].cancel()
+                pending[0](msg.response)
+        # Anything else is the native engine's: not ours to act on.
+
+    def _serve_forward(self, peer_id: int, msg: Forward) -> None:
+        def respond(response: dict) -> None:
+            reply = ForwardReply(vote_id=self._term(), node_id=self.config.node_id,
+                                 request_id=msg.request_id, response=response)
+            self.net.send(peer_id, message_to_wire(reply))
+
+        if self.handle_forwarded is None:
+            respond({"code": -1, "reason": "no leader"})
+            return
+        self.handle_forwarded(msg.request, int(time.time() * 1000), respond)
+
+    def _fail_forward(self, request_id: int, reason: str) -> None:
+        pending = self._forwards.pop(request_id, None)
+        if pending is not None:
+            pending[1].cancel()
+            pending[0]({"code": -1, "reason": reason})
