@@ -1,5 +1,6 @@
 """Real three-node clusters on loopback: election, forwarding, redirects,
-kill -9 of the master under load, catch-up, authentication."""
+kill -9 of the master under load, catch-up, authentication. The tests that
+every engine must pass run once per engine (`native`, `raft`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import pytest
 from procs import wait_until, Cluster, TcpClient, UdpClient
 
 DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
+
+# design.md: "raft: the same state machine replicated by pysyncobj. Same
+# client protocol, same tests."
+ENGINES = ["native", "raft"]
 
 
 @pytest.fixture
@@ -28,8 +33,9 @@ def cluster(tmp_path):
         c.stop_all()
 
 
-def test_slaves_forward_tcp_and_udp_to_the_master(cluster):
-    c = cluster()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_slaves_forward_tcp_and_udp_to_the_master(cluster, engine):
+    c = cluster(engine=engine)
     m = c.wait_master()
     slaves = [i for i in range(1, 4) if i != m]
     tcp = TcpClient(c.port(slaves[0]))
@@ -51,8 +57,9 @@ def test_slaves_forward_tcp_and_udp_to_the_master(cluster):
                            for i in range(1, 4)))
 
 
-def test_redirect_when_forwarding_is_off(cluster):
-    c = cluster(extra='<replication forward_request="0"/>\n')
+@pytest.mark.parametrize("engine", ENGINES)
+def test_redirect_when_forwarding_is_off(cluster, engine):
+    c = cluster(extra='<replication forward_request="0"/>\n', engine=engine)
     m = c.wait_master()
     slave = next(i for i in range(1, 4) if i != m)
     r = TcpClient(c.port(slave)).request(action=1, queue="r", data="x", seq=3)
@@ -116,8 +123,9 @@ def drain(c: Cluster, node: int, queue: str) -> dict[int, str]:
         client.request(action=3, queue=queue, msg_id=r["msg_id"])
 
 
-def test_kill_master_under_load_loses_no_acknowledged_write(cluster):
-    c = cluster()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_kill_master_under_load_loses_no_acknowledged_write(cluster, engine):
+    c = cluster(engine=engine)
     m = c.wait_master()
     producer = Producer(c)
     producer.start()
@@ -138,12 +146,13 @@ def test_kill_master_under_load_loses_no_acknowledged_write(cluster):
     missing = {i: d for i, d in producer.acked.items() if got.get(i) != d}
     assert not missing, f"acknowledged writes lost or changed: {sorted(missing)[:10]}"
     assert len(set(got.values())) == len(got), "one produce stored twice"
-    print(f"failover to a serving master took {failover_s:.2f}s; "
+    print(f"{engine}: failover to a serving master took {failover_s:.2f}s; "
           f"{len(producer.acked)} acknowledged writes all present")
 
 
-def test_restarted_node_catches_up(cluster):
-    c = cluster()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_restarted_node_catches_up(cluster, engine):
+    c = cluster(engine=engine)
     m = c.wait_master()
     victim = next(i for i in range(1, 4) if i != m)
     c.kill(victim)
