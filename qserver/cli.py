@@ -1,10 +1,27 @@
 """The `qserver` command line.
 
     qserver run [--config FILE] [--log-level LEVEL]
+    qserver local-cluster [CONFIG ...]
 
 Exit status: 0 after an orderly shutdown (SIGINT or SIGTERM), 2 for a bad
 configuration or usage, 1 when the node cannot start (the port is taken).
 A second SIGINT/SIGTERM during shutdown forces the exit.
+
+Client commands, against any node (`-s HOST:PORT`, repeatable; default
+127.0.0.1:1111), through `qserver.client.Client`:
+
+    qserver produce QUEUE DATA [--delay S] [--ttl S] [--retry S]
+    qserver consume QUEUE
+    qserver confirm QUEUE MSG_ID
+    qserver monitor [QUEUE]
+    qserver list [PATTERN]
+    qserver leader
+    qserver status
+
+Output is for people by default, JSON with `--json`. Exit status: 0 on
+success, 1 on a server or connection error (one line on stderr), 2 for bad
+usage. `status` asks every given node for its own view (action 104) and
+exits 1 if one of them does not answer.
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ import signal
 import sys
 
 from .config import Config, load_config, log_level
-from .errors import ConfigError
+from .errors import ConfigError, InvalidArgument, QServerClientError
 from .storage import StorageError
 
 __all__ = ["main"]
@@ -35,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("configs", nargs="*", metavar="CONFIG",
                       default=["config/node1.xml", "config/node2.xml", "config/node3.xml"],
                       help="one config per node (default: config/node1.xml to node3.xml)")
+    _add_client_commands(sub)
     return p
 
 
@@ -106,6 +124,212 @@ def _local_cluster(paths: list[str]) -> int:
                 c.wait()
 
 
+# -- client commands -----------------------------------------------------------
+
+DEFAULT_SERVER = "127.0.0.1:1111"
+
+# The command line waits less than a program would (the client's default is
+# 10 s): a person wants a quick answer, and a script can pass --retry-for.
+CLI_RETRY_FOR_S = 3.0
+
+CLIENT_COMMANDS = ("produce", "consume", "confirm", "monitor", "list", "leader", "status")
+
+
+def _add_client_commands(sub) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-s", "--server", action="append", metavar="HOST:PORT",
+                        help=f"a node to ask; repeat for several (default {DEFAULT_SERVER})")
+    common.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    common.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="seconds a node may stay silent (default 5)")
+    common.add_argument("--retry-for", type=float, default=CLI_RETRY_FOR_S, metavar="S",
+                        help=f"seconds to retry other nodes or wait for a master "
+                             f"(default {CLI_RETRY_FOR_S:g})")
+    produce = sub.add_parser("produce", parents=[common], help="produce a message")
+    produce.add_argument("queue")
+    produce.add_argument("data")
+    produce.add_argument("--delay", type=float, metavar="S",
+                         help="seconds from now (or an absolute unix time) before it is ready")
+    produce.add_argument("--ttl", type=float, metavar="S",
+                         help="seconds from now (or an absolute unix time) it lives")
+    produce.add_argument("--retry", type=float, default=0, metavar="S",
+                         help="redeliver S seconds after each consume until confirmed "
+                              "(default 0: at most once)")
+    consume = sub.add_parser("consume", parents=[common], help="consume the next ready message")
+    consume.add_argument("queue")
+    confirm = sub.add_parser("confirm", parents=[common], help="confirm a consumed message")
+    confirm.add_argument("queue")
+    confirm.add_argument("msg_id", type=int)
+    monitor = sub.add_parser("monitor", parents=[common],
+                             help="the master's view of the cluster and of a queue")
+    monitor.add_argument("queue", nargs="?")
+    listing = sub.add_parser("list", parents=[common], help="queues whose names contain PATTERN")
+    listing.add_argument("pattern", nargs="?", default="")
+    sub.add_parser("leader", parents=[common], help="the master's node id and address")
+    sub.add_parser("status", parents=[common],
+                   help="every node's role, vote_id, trans_id, commit_id and lag")
+
+
+def _client_main(args) -> int:
+    from .client import Client, parse_hosts
+
+    try:
+        servers = parse_hosts(args.server or [DEFAULT_SERVER])
+        if args.command == "status":
+            return _status(servers, args)
+        with Client(servers, timeout=args.timeout, retry_for=args.retry_for) as client:
+            result, text = _COMMANDS[args.command](client, args)
+    except InvalidArgument as exc:
+        print(f"qserver: {exc}", file=sys.stderr)
+        return 2
+    except QServerClientError as exc:
+        print(f"qserver: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    _emit(args, result, text)
+    return 0
+
+
+def _emit(args, result: object, text: str) -> None:
+    if args.json:
+        import orjson
+        sys.stdout.write(orjson.dumps(result, option=orjson.OPT_APPEND_NEWLINE).decode())
+    else:
+        print(text)
+
+
+def _cmd_produce(client, args) -> tuple[object, str]:
+    ids = client.produce_ids(args.queue, args.data, delay=args.delay, ttl=args.ttl,
+                             retry=args.retry)
+    result = {"queue": args.queue, "msg_id": next(iter(ids.values())), "msg_ids": ids}
+    return result, "\n".join(f"produced msg_id {i} in {q}" for q, i in ids.items())
+
+
+def _cmd_consume(client, args) -> tuple[object, str]:
+    msg = client.consume(args.queue)
+    if msg is None:
+        return ({"queue": args.queue, "msg_id": None, "data": None},
+                f"no message ready in {args.queue}")
+    return ({"queue": msg.queue, "msg_id": msg.msg_id, "data": msg.data},
+            f"msg_id {msg.msg_id}: {msg.data}")
+
+
+def _cmd_confirm(client, args) -> tuple[object, str]:
+    client.confirm(args.queue, args.msg_id)
+    return ({"queue": args.queue, "msg_id": args.msg_id, "confirmed": True},
+            f"confirmed msg_id {args.msg_id} in {args.queue}")
+
+
+def _cmd_monitor(client, args) -> tuple[object, str]:
+    info = client.monitor(args.queue)
+    slaves = info.get("slaves")
+    width = max(map(len, info), default=0)
+    lines = [f"{key:<{width}}  {value}" for key, value in info.items() if key != "slaves"]
+    if args.queue is not None:
+        lines.insert(0, f"{'queue':<{width}}  {args.queue}")
+    if slaves:
+        lines.append("slaves:")
+        lines.extend("  " + line for line in _table(
+            ["NODE", "MATCH_ID", "LAG", "CONNECTED"],
+            [[s.get("node_id"), s.get("match_id"), s.get("lag"),
+              "yes" if s.get("connected") else "no"] for s in slaves]))
+    return info, "\n".join(lines)
+
+
+def _cmd_list(client, args) -> tuple[object, str]:
+    queues = client.list(args.pattern)
+    lines = _table(["QUEUE", "SIZE", "WAIT_STATUS"],
+                   [[q["name"], q["size"], q["wait_status"]] for q in queues])
+    lines.append(f"{len(queues)} queue{'s' if len(queues) != 1 else ''}")
+    return queues, "\n".join(lines)
+
+
+def _cmd_leader(client, args) -> tuple[object, str]:
+    leader = client.leader()
+    return leader, (f"master: node {leader['leader_node_id']} at "
+                    f"{leader['leader_host']}:{leader['leader_port']}")
+
+
+_COMMANDS = {"produce": _cmd_produce, "consume": _cmd_consume, "confirm": _cmd_confirm,
+             "monitor": _cmd_monitor, "list": _cmd_list, "leader": _cmd_leader}
+
+
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    """Left-aligned columns, two spaces apart."""
+    cells = [headers] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+
+
+STATUS_FIELDS = ("node_id", "role", "leader_node_id", "vote_id", "trans_id", "commit_id")
+
+
+def _status(servers: list[tuple[str, int]], args) -> int:
+    """Ask every node for its own state (104); with one node given, also
+    the master it names (8). The master's `slaves` list adds the lag of each
+    node, and the nodes it knows that were not asked (without an address:
+    the master does not report slaves' client addresses)."""
+    from .client import Client
+
+    def ask(address: tuple[str, int], request: dict) -> dict | None:
+        try:
+            with Client([address], timeout=args.timeout, retry_for=0) as c:
+                response = c.request(request)
+        except QServerClientError:
+            return None
+        return response if response.get("code") == 0 else None
+
+    addresses = list(dict.fromkeys(servers))
+    views = {address: ask(address, {"action": 104}) for address in addresses}
+    if len(addresses) == 1:
+        leader = ask(addresses[0], {"action": 8})
+        if leader is not None:
+            leader_address = (leader["leader_host"], leader["leader_port"])
+            if leader_address not in views:
+                addresses.append(leader_address)
+                views[leader_address] = ask(leader_address, {"action": 104})
+    rows = []
+    for address in addresses:
+        view = views[address]
+        row = {"address": f"{address[0]}:{address[1]}", "reachable": view is not None}
+        row.update({key: (view or {}).get(key) for key in STATUS_FIELDS})
+        if view is None:
+            row["role"] = "down"
+        rows.append(row)
+    masters = [views[a] for a in addresses if views[a] and views[a].get("role") == "master"]
+    # The master's own view; with several (a stale one after a partition),
+    # the one of the highest vote_id.
+    master = max(masters, key=lambda v: v.get("vote_id", 0)) if masters else None
+    reached = {row["node_id"] for row in rows if row["node_id"] is not None}
+    lag_by_node = {}
+    if master is not None:
+        lag_by_node[master["node_id"]] = 0
+        for slave in master.get("slaves", []):
+            lag_by_node[slave["node_id"]] = slave.get("lag")
+            # Only when one node was given: the others' rows would be
+            # duplicates of the given nodes that did not answer.
+            if len(servers) == 1 and slave["node_id"] not in reached:
+                rows.append({"address": None, "reachable": None, "node_id": slave["node_id"],
+                             "role": "slave" if slave.get("connected") else "disconnected",
+                             "leader_node_id": master["node_id"], "vote_id": None,
+                             "trans_id": None, "commit_id": None})
+    newest = max((row["trans_id"] for row in rows if row["trans_id"] is not None), default=None)
+    for row in rows:
+        lag = lag_by_node.get(row["node_id"])
+        if lag is None and row["trans_id"] is not None and newest is not None:
+            lag = newest - row["trans_id"]  # no master view: behind the most advanced node
+        row["lag"] = lag
+    text = "\n".join(_table(
+        ["NODE", "ADDRESS", "ROLE", "LEADER", "VOTE_ID", "TRANS_ID", "COMMIT_ID", "LAG"],
+        [[r["node_id"], r["address"] or "(not given)", r["role"], r["leader_node_id"],
+          r["vote_id"], r["trans_id"], r["commit_id"], r["lag"]] for r in rows]))
+    _emit(args, rows, text)
+    down = [row["address"] for row in rows if row["reachable"] is False]
+    if down:
+        print(f"qserver: no answer from {', '.join(down)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 async def _run(config: Config) -> int:
     from .server import Node
 
@@ -143,6 +367,8 @@ async def _run(config: Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:
+        return _client_main(args)
     if args.command == "local-cluster":
         return _local_cluster(args.configs)
     if args.command == "run":
