@@ -13,13 +13,15 @@ old leader never saw. So every command carries where it was decided, and
 one deterministic rule, applied identically on every node, drops the ones
 decided on a state that is not the one they land on:
 
-- A *barrier* `[BARRIER, term, k, node_id]` opens epoch (term, k). It counts
-  only if (term, k) is greater than the current epoch; then the epoch is
-  (term, k) and its next sequence number 1.
-- An *entry* `[ENTRY, term, k, seq, entry]` counts only if (term, k) is the
-  current epoch and seq is the epoch's next sequence number; then it is
-  applied and the next sequence number grows by one. Anything else is
-  skipped, on every node alike.
+- A *barrier* `[BARRIER, term, k, node_id]` opens epoch (term, k, node_id).
+  It counts only if that is greater than the current epoch; then it is the
+  epoch, and the epoch's next sequence number is 1. (The node id makes an
+  epoch belong to one proposer even if two nodes were leader in one term,
+  which raft rules out only while votes survive restarts.)
+- An *entry* `[ENTRY, term, k, node_id, seq, entry]` counts only if (term,
+  k, node_id) is the current epoch and seq is the epoch's next sequence
+  number; then it is applied and the next sequence number grows by one.
+  Anything else is skipped, on every node alike.
 
 A node that becomes raft leader in term T proposes a barrier (T, k) and takes
 no request until that barrier is applied: by then its store holds every
@@ -88,16 +90,16 @@ class RaftMachine:
         self.node_id = node_id
         self.async_mode = async_mode  # answer at propose time (queue_server's async mode)
         # Replicated (identical on every node after the same commands):
-        self.epoch: tuple[int, int] = (0, 0)  # (term, k) of the last barrier that counted
+        self.epoch: tuple[int, int, int] = (0, 0, 0)  # (term, k, node_id) of the last barrier that counted
         self.next_seq = 1  # seq the next entry of `epoch` must carry to count
         # This node's own:
         self.applied_index = 0  # raft index of the last committed command handled
-        self.my_epoch: tuple[int, int] | None = None  # set while this node may decide
+        self.my_epoch: tuple[int, int, int] | None = None  # set while this node may decide
         self.my_next_seq = 1  # seq of this node's next proposal in my_epoch
-        self.barrier_wanted: tuple[int, int] | None = None  # our barrier, not yet applied
+        self.barrier_wanted: tuple[int, int, int] | None = None  # our barrier, not yet applied
         self._last_k = 0  # highest k this node has proposed (any term)
-        # (token, undo ops, done, result, entry), oldest first; token = (term, k, seq)
-        self.pending: deque[tuple[tuple[int, int, int], list, Done | None, object, object]] = deque()
+        # (token, undo ops, done, result, entry), oldest first; token = (*epoch, seq)
+        self.pending: deque[tuple[tuple[int, ...], list, Done | None, object, object]] = deque()
 
     @property
     def is_master(self) -> bool:
@@ -110,7 +112,7 @@ class RaftMachine:
         until it comes back applied."""
         k = max(self._last_k, self.epoch[1] if self.epoch[0] == term else 0) + 1
         self._last_k = k
-        self.barrier_wanted = (term, k)
+        self.barrier_wanted = (term, k, self.node_id)
         return _packb([BARRIER, term, k, self.node_id])
 
     def propose(self, entry, done: Done) -> bytes | None:
@@ -119,7 +121,7 @@ class RaftMachine:
         if self.my_epoch is None:
             done(None, "not master")
             return None
-        term, k = self.my_epoch
+        term, k, node_id = self.my_epoch
         seq = self.my_next_seq
         self.my_next_seq = seq + 1
         ops: list = []
@@ -127,8 +129,8 @@ class RaftMachine:
         if self.async_mode:
             done(result, None)
             done = None
-        self.pending.append(((term, k, seq), ops, done, result, entry))
-        return _packb([ENTRY, term, k, seq, entry_to_wire(entry)])
+        self.pending.append(((term, k, node_id, seq), ops, done, result, entry))
+        return _packb([ENTRY, term, k, node_id, seq, entry_to_wire(entry)])
 
     # -- committed commands (every node) ----------------------------------------
 
@@ -140,27 +142,27 @@ class RaftMachine:
         self.applied_index = index
         cmd = _unpack(payload)
         if cmd[0] == BARRIER:
-            _, term, k, node_id = cmd
-            if (term, k) > self.epoch:
+            epoch = (cmd[1], cmd[2], cmd[3])
+            if epoch > self.epoch:
                 if self.pending:
                     self._abandon(answers)
-                self.epoch = (term, k)
+                self.epoch = epoch
                 self.next_seq = 1
-                if node_id == self.node_id and self.barrier_wanted == (term, k):
-                    self.my_epoch = (term, k)
+                if self.barrier_wanted == epoch:
+                    self.my_epoch = epoch
                     self.my_next_seq = 1
                     self.barrier_wanted = None
-            elif node_id == self.node_id and self.barrier_wanted == (term, k):
+            elif self.barrier_wanted == epoch:
                 self.barrier_wanted = None  # outdated: the adapter tries again
             return answers
         if cmd[0] != ENTRY:
             raise InvariantError(f"unknown raft command kind {cmd[0]!r}")
-        _, term, k, seq, wire = cmd
-        counts = (term, k) == self.epoch and seq == self.next_seq
+        _, term, k, node_id, seq, wire = cmd
+        counts = (term, k, node_id) == self.epoch and seq == self.next_seq
         if counts:
             self.next_seq = seq + 1
         pending = self.pending
-        if pending and pending[0][0] == (term, k, seq):
+        if pending and pending[0][0] == (term, k, node_id, seq):
             if counts:
                 _, _, done, result, _ = pending.popleft()
                 if done is not None:
@@ -208,8 +210,7 @@ class RaftMachine:
         pending = list(self.pending)
         for _, ops, _, _, _ in reversed(pending):
             self.store.revert(ops)
-        state = [SNAPSHOT_FORMAT, self.epoch[0], self.epoch[1], self.next_seq,
-                 self.store.to_wire()]
+        state = [SNAPSHOT_FORMAT, list(self.epoch), self.next_seq, self.store.to_wire()]
         self.pending.clear()
         for token, _, done, result, entry in pending:
             ops: list = []
@@ -222,11 +223,11 @@ class RaftMachine:
         """Replace the replicated state with a snapshot taken at `index`."""
         answers: list[Callable[[], None]] = []
         self._abandon(answers)
-        if not isinstance(state, list) or len(state) != 5 or state[0] != SNAPSHOT_FORMAT:
+        if not isinstance(state, list) or len(state) != 4 or state[0] != SNAPSHOT_FORMAT:
             raise InvariantError("raft snapshot of an unknown format")
-        _, term, k, next_seq, store_wire = state
+        _, epoch, next_seq, store_wire = state
         self.store.load_wire(store_wire)
-        self.epoch = (term, k)
+        self.epoch = tuple(epoch)
         self.next_seq = next_seq
         self.applied_index = index
         return answers
