@@ -717,6 +717,11 @@ class Client:
                     error = ClientTimeout(f"{_describe(address)}: no answer within {self.timeout} s")
                 except (OSError, _BrokenStream) as exc:
                     error = ClientConnectionError(f"{_describe(address)}: {exc}")
+                except BaseException:
+                    # Interrupted (KeyboardInterrupt): answers may still be
+                    # due on this connection; a later call must not read them.
+                    self.close()
+                    raise
                 if ex.answered > answered:
                     router.begin()
                 if error is not None:
@@ -937,6 +942,11 @@ class AsyncClient:
                     error = ClientTimeout(f"{_describe(address)}: no answer within {self.timeout} s")
                 except (OSError, _BrokenStream) as exc:
                     error = ClientConnectionError(f"{_describe(address)}: {exc}")
+                except BaseException:
+                    # Cancelled: answers may still be due on this connection;
+                    # a later call must not read them.
+                    self._drop()
+                    raise
                 if ex.answered > answered:
                     router.begin()
                 if error is not None:
