@@ -272,7 +272,7 @@ class Node:
 
         self.storage = DiskStorage.open(config.storage_dir, config.fsync)
         try:
-            recovered = self.storage.recover()
+            recovered = self.storage.recover(sink_factory=self.store.snapshot_loader)
         except BaseException:
             self.storage.abandon()
             raise

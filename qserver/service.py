@@ -303,6 +303,8 @@ class Service:
         }
         if status.role == "master" and hasattr(self.engine, "slaves"):
             info["slaves"] = self.engine.slaves()
+        if hasattr(self.engine, "snapshot_info"):
+            info["snapshot"] = self.engine.snapshot_info()
         return info
 
     def _monitor(self, obj: dict, req: MonitorRequest, now_ms: int) -> dict:

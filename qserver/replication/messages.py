@@ -17,7 +17,7 @@ from ..entries import Record, record_from_wire, record_to_wire
 
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
-    "Forward", "ForwardReply", "Message", "message_to_wire", "message_from_wire",
+    "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "Message", "message_to_wire", "message_from_wire",
 ]
 
 
@@ -80,6 +80,33 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotChunk:
+    """A piece of the master's newest snapshot file, streamed to a slave
+    whose log ends before the master's retained log begins: `data` holds
+    the file's bytes from `offset` on; `last` marks the final piece. The
+    file (storage.format) carries its own crc, checked once it is whole."""
+
+    vote_id: int
+    node_id: int
+    trans_id: int  # the snapshot covers every entry up to here
+    log_vote_id: int  # vote_id of the entry at trans_id
+    offset: int
+    data: bytes
+    last: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotAck:
+    """A slave has stored the snapshot at trans_id up to `offset` bytes: the
+    master's flow control (it keeps a few chunks in flight, no more)."""
+
+    vote_id: int
+    node_id: int
+    trans_id: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Push:
     """Records from the master, continuing the log after (prev_vote_id,
     prev_trans_id). With no records it is the master's heartbeat."""
@@ -133,7 +160,7 @@ class ForwardReply:
 
 
 Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Snapshot
-           | Forward | ForwardReply)
+           | SnapshotChunk | SnapshotAck | Forward | ForwardReply)
 
 
 def message_to_wire(msg: Message) -> list:
@@ -160,6 +187,11 @@ def message_to_wire(msg: Message) -> list:
         return [8, msg.vote_id, msg.node_id, msg.request_id, msg.request]
     if t is ForwardReply:
         return [9, msg.vote_id, msg.node_id, msg.request_id, msg.response]
+    if t is SnapshotChunk:
+        return [11, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id, msg.offset,
+                msg.data, msg.last]
+    if t is SnapshotAck:
+        return [12, msg.vote_id, msg.node_id, msg.trans_id, msg.offset]
     raise TypeError(f"not a message: {msg!r}")
 
 
@@ -226,4 +258,13 @@ def message_from_wire(obj: object) -> Message:
             raise ValueError("forwarded response must be a map")
         return ForwardReply(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
                             response=obj[4])
+    if tag == 11 and n == 8:
+        if type(obj[6]) is not bytes:
+            raise ValueError("snapshot chunk data must be bytes")
+        return SnapshotChunk(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
+                             log_vote_id=_n(obj[4], "log_vote_id"), offset=_n(obj[5], "offset"),
+                             data=obj[6], last=_bool(obj[7], "last"))
+    if tag == 12 and n == 5:
+        return SnapshotAck(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
+                           offset=_n(obj[4], "offset"))
     raise ValueError(f"unknown message tag {tag!r} with {n} fields")

@@ -120,12 +120,14 @@ class Ready:
     truncate_after: int | None = None  # drop persisted records after this trans_id
     records: list[Record] = field(default_factory=list)  # to append to the log on disk
     snapshot: tuple[int, int, list] | None = None  # (trans_id, vote_id, state) installed from the master
+    # external snapshots: (to node_id, trans_id, vote_id) of our snapshot file to stream to a slave
+    snapshot_sends: list[tuple[int, int, int]] = field(default_factory=list)
     messages: list[tuple[int, Message]] = field(default_factory=list)  # (to node_id, message)
     answers: list[Callable[[], None]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.vote or self.truncate_after is not None or self.records
-                    or self.snapshot or self.messages or self.answers)
+                    or self.snapshot or self.messages or self.answers or self.snapshot_sends)
 
 
 class _Peer:
@@ -151,7 +153,7 @@ class NativeCore:
     def __init__(self, *, node_id: int, peer_ids: list[int], store: Store, log: Log,
                  me: LeaderInfo, rng: Rng, now_ms: int, timing: Timing = Timing(),
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
-                 vote_id: int = 0, voted_for: int = 0) -> None:
+                 vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False) -> None:
         self.node_id = node_id
         self.me = me
         self.peers: dict[int, _Peer] = {p: _Peer(p) for p in peer_ids if p != node_id}
@@ -183,6 +185,14 @@ class NativeCore:
         # Alone, there is nobody to wait for: elect ourselves at the first tick.
         self.election_due_ms = now_ms if not self.peers else now_ms + self._election_timeout()
         self.refill_ms = now_ms  # last sync_rate budget refill
+        # External snapshots (the node's adapter writes snapshot files and
+        # streams them to slaves in chunks): the log is never compacted
+        # past our newest snapshot, so that a slave that installs it finds
+        # the records after it. Without, a snapshot is built in memory and
+        # sent as one message (the simulated network's way).
+        self.external_snapshots = external_snapshots
+        self.snapshot_id = log.base_trans_id  # trans_id of our newest snapshot (0: none)
+        self.snapshot_vote = log.base_vote_id  # vote_id of the entry at snapshot_id
         self.ready = Ready()
 
     # -- queries -----------------------------------------------------------
@@ -201,6 +211,24 @@ class NativeCore:
         return EngineStatus(role=self.role.value, vote_id=self.vote_id,
                             trans_id=self.log.last_trans_id, commit_id=self.commit_id,
                             applied_id=self.applied_id, log_size=len(self.log))
+
+    def snapshot_point(self) -> tuple[int, int]:
+        """(trans_id, vote_id) of the newest state a snapshot may hold: the
+        last entry both committed and applied."""
+        trans_id = min(self.commit_id, self.applied_id)
+        return trans_id, self.log.vote_id_at(trans_id) or 0
+
+    def prepare_snapshot(self, trans_id: int) -> None:
+        """Undo the applied entries after `trans_id` (uncommitted ones, on a
+        master) and nothing else: for a forked copy of the node about to
+        write its store as the snapshot at trans_id. Never on the live node."""
+        self._rollback_to(trans_id)
+
+    def snapshot_taken(self, trans_id: int, vote_id: int) -> None:
+        """A snapshot at trans_id is on disk: the log may be compacted up to
+        it, and slaves behind the log get it."""
+        if trans_id > self.snapshot_id:
+            self.snapshot_id, self.snapshot_vote = trans_id, vote_id
 
     def slaves(self) -> list[dict]:
         """Per slave: match position and lag (meaningful on the master)."""
@@ -529,7 +557,15 @@ class NativeCore:
 
     def _send_snapshot(self, peer: _Peer) -> None:
         """Send the state at our commit position (undoing and redoing our
-        uncommitted entries around the dump so that it holds no guess)."""
+        uncommitted entries around the dump so that it holds no guess), or
+        with external snapshots, ask the adapter to stream our newest one."""
+        if self.external_snapshots:
+            if self.snapshot_id <= 0 or self.snapshot_id < self.log.base_trans_id:
+                raise InvariantError(f"log compacted to {self.log.base_trans_id} past "
+                                     f"the newest snapshot {self.snapshot_id}")
+            self.ready.snapshot_sends.append((peer.node_id, self.snapshot_id, self.snapshot_vote))
+            peer.sent_upto = self.snapshot_id
+            return
         trans_id = self.commit_id
         vote = self.log.vote_id_at(trans_id)
         if vote is None:
@@ -572,7 +608,10 @@ class NativeCore:
                     (lambda done=done, result=result: done(result, None)) if ok
                     else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
         if len(self.log) > self.log_size + COMPACT_SLACK:
-            self.log.compact(self.log_size, min(commit_id, self.applied_id))
+            upto = min(commit_id, self.applied_id)
+            if self.external_snapshots:
+                upto = min(upto, self.snapshot_id)
+            self.log.compact(self.log_size, upto)
 
     def _apply_speculative(self, record: Record) -> object:
         ops: list = []
@@ -706,5 +745,6 @@ class NativeCore:
         self.ready.records = []
         self.ready.truncate_after = None
         self.ready.snapshot = (msg.trans_id, msg.log_vote_id, msg.state)
+        self.snapshot_id, self.snapshot_vote = msg.trans_id, msg.log_vote_id
         self.last_pull = None
         self._maybe_pull(now_ms)

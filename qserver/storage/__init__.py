@@ -4,7 +4,15 @@ of the state machine, the persisted vote (design.md section 3).
 `format` holds the byte formats and does no I/O; `disk` does the I/O.
 """
 
-from .disk import SEGMENT_BYTES, DiskStorage, Recovered, StorageError
-from .format import store_wire_iter
+from .disk import (
+    SEGMENT_BYTES,
+    DiskStorage,
+    Recovered,
+    StorageError,
+    snapshot_file_name,
+    write_snapshot_file,
+)
+from .format import decode_snapshot, store_wire_iter
 
-__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter"]
+__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter",
+           "decode_snapshot", "snapshot_file_name", "write_snapshot_file"]

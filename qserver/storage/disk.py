@@ -65,7 +65,7 @@ import logging
 import os
 import re
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from ..config import Fsync
@@ -82,7 +82,8 @@ from .format import (
     scan,
 )
 
-__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES"]
+__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "snapshot_file_name",
+           "write_snapshot_file"]
 
 log = logging.getLogger("qserver.storage")
 
@@ -158,6 +159,51 @@ def _read_blocks(path: str) -> Iterator[bytes]:
             yield block
 
 
+def _write_file_atomic(directory: str, name: str, pieces: Iterable[bytes]) -> None:
+    """Write `name` in `directory` under a temporary name, fsync it, rename
+    it into place, fsync the directory. Raises StorageError on failure (the
+    temporary file is removed)."""
+    final = os.path.join(directory, name)
+    tmp = final + _TMP
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for piece in pieces:
+                _write_all(fd, piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        DiskStorage._unlink_quietly(tmp)
+        raise StorageError(final, None, f"write failed: {exc.strerror or exc}") from exc
+    except BaseException:
+        DiskStorage._unlink_quietly(tmp)
+        raise
+
+
+def snapshot_file_name(trans_id: int) -> str:
+    """The name of the snapshot at trans_id inside a data directory."""
+    return f"snapshot-{trans_id:020d}.snap"
+
+
+def write_snapshot_file(directory: str, trans_id: int, vote_id: int,
+                        state: Iterable[Any]) -> str:
+    """Write a snapshot file of `state` at trans_id, atomically and durably,
+    and return its path; nothing else in the directory changes. Made for a
+    forked child that writes the state as it was at the fork while the node
+    goes on; the node then calls `DiskStorage.adopt_snapshot(trans_id)`.
+    Raises StorageError if the write fails."""
+    name = snapshot_file_name(trans_id)
+    _write_file_atomic(directory, name, encode_snapshot_chunks(trans_id, vote_id, state))
+    return os.path.join(directory, name)
+
+
 class DiskStorage:
     """The on-disk storage of one node (see the module docstring)."""
 
@@ -213,7 +259,7 @@ class DiskStorage:
         return self._path(f"log-{first:020d}.seg")
 
     def _snapshot_path(self, trans_id: int) -> str:
-        return self._path(f"snapshot-{trans_id:020d}.snap")
+        return self._path(snapshot_file_name(trans_id))
 
     # -- state checks --------------------------------------------------------
 
@@ -242,8 +288,14 @@ class DiskStorage:
 
     # -- recovery ------------------------------------------------------------
 
-    def recover(self) -> Recovered:
+    def recover(self, sink_factory: Callable[[], Any] | None = None) -> Recovered:
         """Read the directory back: vote, newest valid snapshot, log after it.
+
+        `sink_factory`: when given, each snapshot tried is decoded into a
+        fresh `sink_factory()` (see `format.decode_snapshot`), and the
+        snapshot's state in the result is that sink (`Store.snapshot_loader`
+        builds the store as it reads, so a million messages are never held
+        twice); otherwise the state is the wire list.
 
         Cuts a torn tail (durably), removes unfinished writes, sets aside a
         corrupt snapshot; each is reported in `Recovered.reports` (and logged).
@@ -277,7 +329,7 @@ class DiskStorage:
                               reverse=True)
 
         records, segments, last_buf = self._recover_log(segment_ids, report)
-        snapshot = self._recover_snapshot(snapshot_ids, records, report)
+        snapshot = self._recover_snapshot(snapshot_ids, records, report, sink_factory)
         base = snapshot[0] if snapshot is not None else 0
 
         if snapshot is not None and records:
@@ -377,14 +429,16 @@ class DiskStorage:
         finally:
             os.close(fd)
 
-    def _recover_snapshot(self, snapshot_ids: list[int], records: list[Record], report: Any
-                          ) -> tuple[int, int, list] | None:
+    def _recover_snapshot(self, snapshot_ids: list[int], records: list[Record], report: Any,
+                          sink_factory: Callable[[], Any] | None = None
+                          ) -> tuple[int, int, Any] | None:
         chosen = None
         skipped: list[tuple[int, str]] = []
         for sid in snapshot_ids:
             path = self._snapshot_path(sid)
             try:
-                trans_id, vote_id, state = decode_snapshot(_read_blocks(path))
+                sink = sink_factory() if sink_factory is not None else None
+                trans_id, vote_id, state = decode_snapshot(_read_blocks(path), sink)
                 if trans_id != sid:
                     raise ValueError(f"holds trans_id {trans_id}")
             except ValueError as exc:
@@ -425,24 +479,8 @@ class DiskStorage:
         """Write a file under a temporary name, fsync it, rename it over
         `name`, fsync the directory: a reader sees the old file or the whole
         new one, never a part."""
-        final = self._path(name)
-        tmp = final + _TMP
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for piece in pieces:
-                    _write_all(fd, piece)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            self._fsync_dir()
-        except OSError as exc:
-            self._unlink_quietly(tmp)
-            raise StorageError(final, None, f"write failed: {exc.strerror or exc}") from exc
-        except BaseException:
-            self._unlink_quietly(tmp)
-            raise
+        _write_file_atomic(self.directory, name, pieces)
+        self._dir_dirty = False
 
     @staticmethod
     def _unlink_quietly(path: str) -> None:
@@ -630,6 +668,56 @@ class DiskStorage:
             raise InvariantError(f"install of a snapshot at {trans_id}, "
                                  f"below ours at {self._base}")
         self._save_snapshot(trans_id, vote_id, state)
+        self._restart_log_after(trans_id)
+
+    def adopt_snapshot(self, trans_id: int) -> bool:
+        """Make the snapshot file at trans_id, written by
+        `write_snapshot_file` (in another process), the newest: remove older
+        snapshots and the segments it covers, as `write_snapshot` does.
+        A snapshot overtaken meanwhile (an installed one is newer) is removed
+        instead. Returns whether it was adopted. Raises StorageError if the
+        file is missing."""
+        self._check_usable()
+        path = self._snapshot_path(trans_id)
+        if not os.path.exists(path):
+            raise StorageError(path, None, "adopted snapshot file is missing")
+        if trans_id < self._base or trans_id >= self._next_trans_id:
+            self._unlink_quietly(path)
+            return False
+        self._remove_snapshots_but(trans_id)
+        segments = self._segments
+        while len(segments) > 1 and segments[1].first <= trans_id + 1:
+            seg = segments.pop(0)
+            self._unlink_quietly(seg.path)
+            self._dir_dirty = True
+        self._base = trans_id
+        self._sync_dir()
+        return True
+
+    def install_snapshot_file(self, path: str, trans_id: int) -> None:
+        """As `install_snapshot`, for a snapshot already written (complete
+        and fsynced, e.g. received from the master in chunks) to `path` in
+        this directory: it is renamed into place instead of written again."""
+        self._check_usable()
+        if trans_id < self._base:
+            raise InvariantError(f"install of a snapshot at {trans_id}, "
+                                 f"below ours at {self._base}")
+        try:
+            os.replace(path, self._snapshot_path(trans_id))
+            self._fsync_dir()
+        except OSError as exc:
+            raise self._fail(path, None, "install snapshot", exc) from exc
+        self._remove_snapshots_but(trans_id)
+        self._restart_log_after(trans_id)
+
+    def _remove_snapshots_but(self, trans_id: int) -> None:
+        for other in os.listdir(self.directory):
+            m = _SNAPSHOT_RE.match(other)
+            if m and int(m[1]) != trans_id:
+                self._unlink_quietly(self._path(other))
+                self._dir_dirty = True
+
+    def _restart_log_after(self, trans_id: int) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -644,13 +732,9 @@ class DiskStorage:
         self._sync_dir()
 
     def _save_snapshot(self, trans_id: int, vote_id: int, state: Iterable[Any]) -> None:
-        name = os.path.basename(self._snapshot_path(trans_id))
-        self._write_atomic(name, encode_snapshot_chunks(trans_id, vote_id, state))
-        for other in os.listdir(self.directory):
-            m = _SNAPSHOT_RE.match(other)
-            if m and int(m[1]) != trans_id:
-                self._unlink_quietly(self._path(other))
-                self._dir_dirty = True
+        self._write_atomic(snapshot_file_name(trans_id),
+                           encode_snapshot_chunks(trans_id, vote_id, state))
+        self._remove_snapshots_but(trans_id)
 
     # -- lifecycle -------------------------------------------------------------
 

@@ -390,18 +390,25 @@ class _Source:
         return False
 
 
-def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes]
-                    ) -> tuple[int, int, list]:
+def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes],
+                    sink: Any = None) -> tuple[int, int, Any]:
     """Decode and check a snapshot.
 
     Args:
         data: the whole snapshot, or its bytes in pieces (e.g. a file read
             in blocks: nothing forces the pieces to match the encoder's).
+        sink: None, or an object that takes the state as it is decoded,
+            `sink.queue(name, max_id)` then `sink.messages(batch)` per chunk
+            (batch: a tuple of message tuples), so that a million messages
+            never exist twice in memory (`Store.snapshot_loader()`). A sink
+            must not make anything visible before the call returns: the crc
+            is checked last.
     Returns:
-        (trans_id, vote_id, state), state in `Store.to_wire()`'s shape:
-        [name, max_id, [message tuple, ...]] per queue, which
-        `Store.load_wire` accepts (messages are tuples, not lists: they are
-        smaller and the garbage collector does not track them).
+        (trans_id, vote_id, state). Without a sink, state is in
+        `Store.to_wire()`'s shape: [name, max_id, [message tuple, ...]] per
+        queue, which `Store.load_wire` accepts (messages are tuples, not
+        lists: they are smaller and the garbage collector does not track
+        them). With a sink, state is the sink.
     Raises:
         ValueError when anything is wrong: magic, version, structure, counts,
         the crc, trailing bytes. The state is returned only once the crc of
@@ -434,12 +441,17 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes]
             if type(batch) is not tuple \
                     or not all(type(m) is tuple and len(m) == 6 for m in batch):
                 raise ValueError("snapshot message chunk is malformed")
-            messages.extend(batch)
+            if sink is None:
+                messages.extend(batch)
+            else:
+                sink.messages(batch)
             n_messages += len(batch)
         elif kind == _QUEUE and len(chunk) == 3 and type(chunk[1]) is str \
                 and type(chunk[2]) is int and chunk[2] >= 0:
             messages = []
             state.append([chunk[1], chunk[2], messages])
+            if sink is not None:
+                sink.queue(chunk[1], chunk[2])
         elif kind == _END and len(chunk) == 3:
             if chunk[1] != len(state) or chunk[2] != n_messages:
                 raise ValueError(f"snapshot counts {chunk[1]} queues, {chunk[2]} messages; "
@@ -453,7 +465,7 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes]
         raise ValueError("snapshot crc mismatch")
     if not src.at_end():
         raise ValueError("bytes after the snapshot's trailer")
-    return trans_id, vote_id, state
+    return trans_id, vote_id, (state if sink is None else sink)
 
 
 # -- the vote ---------------------------------------------------------------

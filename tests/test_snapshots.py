@@ -1,0 +1,135 @@
+"""Snapshots with real processes and real files: a node writes its own
+snapshots as its log grows (without stopping), restarts from the newest
+one plus the log after it, and a slave behind the master's log catches up
+through a snapshot streamed in chunks, ending with the master's state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from procs import Cluster, NodeProcess, TcpClient, wait_until
+
+from qserver.entries import Record
+from qserver.log import Log
+from qserver.storage import DiskStorage
+from qserver.store import Store
+
+DATA = "x" * 1000  # 1 kB messages: a few thousand make a multi-chunk snapshot
+
+
+def single_config(port: int, data: Path, log_size: int) -> str:
+    return (f'<config><node_info node_id="1" host="127.0.0.1" port="{port}"/>'
+            f'<queue_config log_size="{log_size}"/>'
+            f'<storage dir="{data}" fsync="batch"/></config>')
+
+
+def replayed_state(data: Path, queue_size: int = 1_000_000) -> tuple[int, list]:
+    """What a node's data directory holds: (last trans_id, store state), read
+    back as a restart would (snapshot, then the log after it)."""
+    storage = DiskStorage.open(str(data), "off")
+    store = Store(queue_size=queue_size)
+    try:
+        got = storage.recover(sink_factory=store.snapshot_loader)
+        last = 0
+        if got.snapshot is not None:
+            store.load_wire(got.snapshot[2])
+            last = got.snapshot[0]
+        for record in got.records:
+            store.apply(record.entry)
+            last = record.trans_id
+    finally:
+        storage.close()
+    return last, store.to_wire()
+
+
+def test_single_node_writes_snapshots_and_restarts_from_one(tmp_path):
+    port = __import__("procs").free_port()
+    data = tmp_path / "data"
+    cfg = tmp_path / "node.xml"
+    cfg.write_text(single_config(port, data, log_size=200))
+    node = NodeProcess(cfg, port)
+    node.wait_ready()
+    try:
+        c = TcpClient(port)
+        for i in range(1500):
+            assert c.request(action=1, queue="s", data=f"m{i}", retry=300)["code"] == 0
+        delivered = [c.request(action=2, queue="s")["msg_id"] for _ in range(300)]
+        for msg_id in delivered[:100]:
+            c.request(action=3, queue="s", msg_id=msg_id)
+        before = c.request(action=104, queue="s")
+        # writes are over, so the writer goes quiet after its last snapshot
+        snap = wait_until(lambda: (lambda s: s["taken"] >= 1 and not s["writing"] and s)(
+            c.request(action=104)["snapshot"]))
+        assert snap["failed"] == 0 and snap["last_pause_ms"] is not None
+        assert len(list(data.glob("snapshot-*.snap"))) == 1
+    finally:
+        node.kill()
+    snapshot_id = int(next(data.glob("snapshot-*.snap")).name[9:29])
+    assert snapshot_id > 0
+    node = NodeProcess(cfg, port)
+    node.wait_ready()
+    try:
+        c = TcpClient(port)
+        after = wait_until(lambda: (lambda m: m["applied_id"] >= before["applied_id"] and m)(
+            c.request(action=104, queue="s")))
+        # restarted from the snapshot: the in-memory log starts at it
+        assert after["snapshot"]["snapshot_id"] >= snapshot_id
+        assert after["log_size"] < after["trans_id"]
+        for key in ("size", "max_id", "in_flight", "ready"):
+            assert after[key] == before[key], key
+        assert c.request(action=2, queue="s")["msg_id"] == 301
+        assert c.request(action=1, queue="s", data="new")["msg_id"] == 1501
+    finally:
+        node.stop()
+
+
+def test_slave_behind_the_log_catches_up_through_a_streamed_snapshot(tmp_path):
+    c = Cluster(tmp_path, extra=('  <queue_config log_size="200"/>\n'
+                                 f'  <storage dir="{tmp_path}/data{{id}}" fsync="batch"/>\n'))
+    # one data directory per node
+    base_config_path = c.config_path
+
+    def config_path(node_id: int) -> Path:
+        path = base_config_path(node_id)
+        path.write_text(path.read_text().replace("{id}", str(node_id)))
+        return path
+
+    c.config_path = config_path
+    try:
+        c.start_all()
+        m = c.wait_master()
+        behind = next(i for i in range(1, 4) if i != m)
+        c.kill(behind)
+        client = TcpClient(c.port(m))
+        for i in range(4000):  # ~4 MB of state: the snapshot goes in several chunks
+            r = client.request(action=1, queue=f"q{i % 3}", data=f"{i}:{DATA}", retry=600)
+            assert r["code"] == 0, r
+        for q in ("q0", "q1"):
+            got = [client.request(action=2, queue=q)["msg_id"] for _ in range(200)]
+            for msg_id in got[:100]:
+                assert client.request(action=3, queue=q, msg_id=msg_id)["code"] == 0
+        master_view = client.request(action=104)
+        assert master_view["snapshot"]["taken"] >= 1
+        # the slave's log ends far before what the master still holds
+        assert master_view["trans_id"] - master_view["log_size"] > 10
+
+        c.start(behind)
+        wait_until(lambda: (lambda r: r is not None and r.get("applied_id")
+                            == c.ask(m, action=104)["commit_id"])(c.ask(behind, action=104)),
+                   deadline_s=60)
+        slave_view = c.ask(behind, action=104)
+        assert slave_view["snapshot"]["installed"] >= 1
+        assert c.ask(m, action=104)["snapshot"]["sent"] >= 1
+        for q in ("q0", "q1", "q2"):
+            mine, theirs = c.ask(behind, action=104, queue=q), c.ask(m, action=104, queue=q)
+            assert (mine["size"], mine["max_id"], mine["in_flight"]) == \
+                   (theirs["size"], theirs["max_id"], theirs["in_flight"])
+        # it goes on replicating after the snapshot
+        assert client.request(action=1, queue="q0", data="after")["code"] == 0
+        last = c.ask(m, action=104)["trans_id"]
+        wait_until(lambda: (c.ask(behind, action=104) or {}).get("applied_id", 0) >= last)
+    finally:
+        for node in c.nodes.values():
+            node.stop()  # SIGTERM: every node flushes its log
+    states = {i: replayed_state(tmp_path / f"data{i}") for i in range(1, 4)}
+    assert states[behind] == states[m]
