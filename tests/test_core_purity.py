@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "qserver"
 CORE_MODULES = [
     "store.py", "entries.py", "log.py", "requests.py", "protocol.py", "service.py",
     "replication/base.py", "replication/local.py", "replication/native.py",
-    "replication/messages.py", "storage/format.py",
+    "replication/messages.py", "replication/raft.py", "storage/format.py",
 ]
 
 FORBIDDEN = {"asyncio", "socket", "os", "time", "random", "threading", "pathlib",
