@@ -41,13 +41,21 @@ from pyspark.sql.types import (  # noqa: E402
 )
 
 import qserver_spark  # noqa: E402
-from procs import Cluster  # noqa: E402
+from procs import Cluster, TcpClient  # noqa: E402
 from qserver.client import Client  # noqa: E402
 from qserver_spark import OptionError, RowError, parse_options, summarize  # noqa: E402
 from qserver_spark.datasource import QServerCommitMessage  # noqa: E402
 from qserver_spark.rows import batch_items  # noqa: E402
 
 DEADLINE_S = 60.0  # generous: CI is a shared, noisy 2-core machine
+
+# The sink's client resends a produce a node leaves unanswered for `timeout`
+# seconds (at-least-once), which would store it twice. The tests count
+# messages exactly, so they give a busy machine far longer than the default.
+TIMEOUT = "60"
+
+# Consumes (then confirms) in flight at a time while draining a queue.
+PIPELINE = 200
 
 
 @pytest.fixture(scope="session")
@@ -84,35 +92,51 @@ def hosts(cluster) -> str:
     return ",".join(f"127.0.0.1:{p}" for p in cluster.client_ports)
 
 
-def drain(hosts: str, queue: str, leave_first_unconfirmed: bool = False) -> list[str]:
-    """Every message ready in `queue`, consumed and confirmed one by one."""
+def drain(cluster: Cluster, queue: str, check_in_flight: bool = False) -> list[str]:
+    """Every message ready in `queue`: consumed and confirmed on the master,
+    PIPELINE consumes, then their confirms, at a time."""
+    master = cluster.wait_master()
     got = []
-    with Client(hosts) as client:
-        while True:
+    if check_in_flight:
+        with Client(f"127.0.0.1:{cluster.port(master)}", timeout=float(TIMEOUT)) as client:
             message = client.consume(queue)
-            if message is None:
-                return got
-            got.append(message.data)
-            if leave_first_unconfirmed and len(got) == 1:
-                # retry > 0 keeps a consumed message in flight until confirmed
-                assert client.monitor(queue)["in_flight"] == 1
+            assert message is not None
+            # retry > 0 keeps a consumed message in flight until confirmed
+            assert client.monitor(queue)["in_flight"] == 1
             client.confirm(queue, message.msg_id)
+            got.append(message.data)
+    conn = TcpClient(cluster.port(master))
+    try:
+        while True:
+            conn.send_raw(json.dumps({"action": 2, "queue": queue}).encode() * PIPELINE)
+            answers = [conn.read() for _ in range(PIPELINE)]
+            assert all(a["code"] == 0 for a in answers), answers
+            delivered = [a for a in answers if "msg_id" in a]
+            conn.send_raw(b"".join(
+                json.dumps({"action": 3, "queue": queue, "msg_id": a["msg_id"]}).encode()
+                for a in delivered))
+            assert all(conn.read()["code"] == 0 for _ in delivered)
+            got.extend(a["data"] for a in delivered)
+            if len(delivered) < PIPELINE:  # the queue ran dry (nothing else produces)
+                return got
+    finally:
+        conn.close()
 
 
 # -- against the cluster ------------------------------------------------------
 
 
-def test_batch_write_of_10000_rows_over_two_queues(spark, hosts):
+def test_batch_write_of_10000_rows_over_two_queues(spark, cluster, hosts):
     n = 10_000
     df = spark.range(n).select(
         F.concat(F.lit("order-"), F.col("id").cast("string")).alias("data"),
         F.when(F.col("id") % 3 == 0, F.lit("spark_a")).otherwise(F.lit("spark_b")).alias("queue"),
     ).repartition(4)
     (df.write.format("qserver").option("hosts", hosts).option("retry", "60")
-     .option("batchSize", "700").mode("append").save())
+     .option("timeout", TIMEOUT).option("batchSize", "700").mode("append").save())
 
-    a = drain(hosts, "spark_a", leave_first_unconfirmed=True)
-    b = drain(hosts, "spark_b")
+    a = drain(cluster, "spark_a", check_in_flight=True)
+    b = drain(cluster, "spark_b")
     expect_a = [f"order-{i}" for i in range(n) if i % 3 == 0]
     expect_b = [f"order-{i}" for i in range(n) if i % 3 != 0]
     assert (len(a), len(b)) == (len(expect_a), len(expect_b))  # none lost, none twice
@@ -123,7 +147,7 @@ def test_batch_write_of_10000_rows_over_two_queues(spark, hosts):
         assert client.monitor("spark_b")["size"] == 0
 
 
-def test_row_as_json_with_per_row_delay_ttl_and_retry_columns(spark, hosts):
+def test_row_as_json_with_per_row_delay_ttl_and_retry_columns(spark, cluster, hosts):
     now = time.time()
     past = dt.datetime.fromtimestamp(now - 60, dt.timezone.utc)
     future = dt.datetime.fromtimestamp(now + 3600, dt.timezone.utc)
@@ -137,19 +161,20 @@ def test_row_as_json_with_per_row_delay_ttl_and_retry_columns(spark, hosts):
     df = (spark.createDataFrame(rows, schema)
           .withColumn("amount", F.col("amount").cast("decimal(10,2)")))
     (df.write.format("qserver").option("hosts", hosts).option("queue", "spark_json")
+     .option("timeout", TIMEOUT)
      .option("delayColumn", "close_at").option("ttlColumn", "keep_s")
      .option("retryColumn", "retry_s").mode("append").save())
 
     with Client(hosts) as client:
         mon = client.monitor("spark_json")
         assert (mon["size"], mon["delayed"]) == (20, 10)  # the future half waits
-    got = [json.loads(d) for d in drain(hosts, "spark_json")]
+    got = [json.loads(d) for d in drain(cluster, "spark_json")]
     # the delay, ttl and retry columns are not part of the message
     assert sorted(got, key=lambda r: r["order_id"]) == [
         {"order_id": i, "user": f"u{i}", "amount": f"{i}.50"} for i in range(0, 20, 2)]
 
 
-def test_streaming_write_from_a_directory_of_json_files(spark, hosts, tmp_path):
+def test_streaming_write_from_a_directory_of_json_files(spark, cluster, hosts, tmp_path):
     source = tmp_path / "in"
     source.mkdir()
     expect = []
@@ -165,6 +190,7 @@ def test_streaming_write_from_a_directory_of_json_files(spark, hosts, tmp_path):
               .json(str(source)))
     query = (stream.select("queue", F.col("key").alias("data"))
              .writeStream.format("qserver").option("hosts", hosts).option("retry", "30")
+             .option("timeout", TIMEOUT)
              .option("checkpointLocation", str(tmp_path / "checkpoint"))
              .trigger(availableNow=True).start())
     assert query.awaitTermination(DEADLINE_S)
@@ -172,7 +198,7 @@ def test_streaming_write_from_a_directory_of_json_files(spark, hosts, tmp_path):
     assert len(query.recentProgress) >= 3  # one micro-batch per file
 
     for q in ("spark_s0", "spark_s1"):
-        got = drain(hosts, q)
+        got = drain(cluster, q)
         want = [key for queue, key in expect if queue == q]
         assert len(got) == len(want) and sorted(got) == sorted(want)
 
