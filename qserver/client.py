@@ -573,9 +573,12 @@ class Client:
 
     def request(self, obj: dict) -> dict:
         """Send one raw request (the wire's fields) and return the answer as
-        is, code -1 included. Redirects, "no leader" and lost connections are
-        retried as for every call. A `seq` in `obj` comes back in the answer
-        (the client uses its own on the wire)."""
+        is, code -1 included, except the answers that are retried as for
+        every call (redirects, "no leader", "outcome unknown", lost
+        connections): those raise `NoLeader`, `ServerError`,
+        `ClientConnectionError` or `ClientTimeout` once the retry time is
+        up. A `seq` in `obj` comes back in the answer (the client uses its
+        own on the wire)."""
         obj, user_seq = _raw_request(obj)
         return _raw_answer(self._exchange([obj], 1, stop_on_error=True)[0], user_seq)
 

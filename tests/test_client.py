@@ -243,6 +243,17 @@ def test_messages_skips_confirm_for_a_failed_block(client):
     assert (mon["size"], mon["in_flight"]) == (1, 1)  # only m1 left, for retry
 
 
+def test_messages_waits_for_new_messages(client):
+    timer = threading.Timer(0.3, client.produce, ("wait_q", "late"), {"retry": 60})
+    timer.start()
+    for delivery in client.messages("wait_q"):
+        with delivery as msg:
+            assert msg.data == "late"
+        break
+    timer.join()
+    assert client.monitor("wait_q")["size"] == 0
+
+
 def test_fails_over_to_the_next_address_and_raises_when_all_are_down(node):
     dead = free_port()
     with Client([f"127.0.0.1:{dead}", f"127.0.0.1:{node.port}"], retry_for=0) as c:
@@ -389,6 +400,19 @@ def test_produce_many_survives_kill_9_of_the_node_it_talks_to(cluster):
     assert not missing, f"acknowledged ids not consumable: {sorted(missing)[:10]}"
     # at-least-once: a resent item may be stored twice, never lost
     assert set(got.values()) == set(acked.values())
+
+    # Without a majority there is no master: "no leader" is retried, then raised.
+    new_master = c.wait_master(alive=alive)
+    last = next(i for i in alive if i != new_master)
+    c.kill(new_master)
+    wait_until(lambda: (c.ask(last, action=1, queue="ha", data="lost") or {}).get("reason")
+               == "no leader", DEADLINE_S)
+    with Client([f"127.0.0.1:{c.port(last)}"], retry_for=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(NoLeader) as info:
+            client.produce("ha", "lost")
+        assert info.value.reason == "no leader"
+        assert time.monotonic() - start >= 0.5  # retried for the whole retry time
 
 
 def test_redirects_are_followed_without_forwarding(cluster):
