@@ -8,6 +8,14 @@
             if msg is not None:
                 handle(msg.data)
 
+Methods: `produce` (returns the msg_id), `produce_ids` (returns {real queue:
+msg_id}, the way to see every message a virtual queue created),
+`produce_many`, `consume` (a `Message` or None), `confirm`, `monitor`,
+`list`, `leader`, and `request` for a raw request. Consumer helpers:
+`process(queue)` (one message, confirmed when the `with` block succeeds,
+left to the server's retry when it raises) and `messages(queue)` (an
+iterator of `Delivery` objects that work the same way).
+
 Theory of operation
 -------------------
 A client holds one TCP connection at a time, to one node of the list it was
@@ -92,6 +100,7 @@ __all__ = [
     "Delivery",
     "AsyncDelivery",
     "parse_hosts",
+    "produce_request",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_RETRY_FOR_S",
     "DEFAULT_WINDOW",
@@ -132,17 +141,16 @@ POLL_MAX_S = 0.5
 # Bytes asked of the socket per read.
 RECV_SIZE = 256 * 1024
 
-# asyncio's StreamReader line limit; an answer is at most one request's size
-# (a consume of the largest message) plus a few fields.
-ASYNC_READ_LIMIT = 16 * 1024 * 1024
-
 # design.md, section 1: a wire time below this is seconds relative to now.
 ABSOLUTE_TIME_FROM = 1_000_000_000
 
-# Reasons for which asking again (elsewhere, a little later) can succeed.
+# Reasons for which asking again (elsewhere, a little later) can succeed:
+# the server's words (service.py, cluster.py, replication/native.py).
 NO_LEADER = "no leader"
 OUTCOME_UNKNOWN_SUFFIX = "outcome unknown"
-QUEUE_FULL_PREFIX = "queue full"
+
+# The server's reason for a full queue is "queue full: NAME" (store.py).
+QUEUE_FULL_PREFIX = "queue full:"
 
 PRODUCE_KEYS = frozenset({"queue", "data", "delay", "ttl", "retry"})
 
@@ -790,7 +798,7 @@ class _AsyncConnection:
     @classmethod
     async def open(cls, address: Address, timeout_s: float) -> _AsyncConnection:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(*address, limit=ASYNC_READ_LIMIT), timeout_s)
+            asyncio.open_connection(*address), timeout_s)
         return cls(address, reader, writer)
 
     def close(self) -> None:
