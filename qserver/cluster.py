@@ -214,6 +214,13 @@ class ClusterEngine:
         return self.core.is_master
 
     def leader(self) -> LeaderInfo | None:
+        """The master, as far as clients should be sent to it: not one whose
+        link is down (a dead master stays the core's leader_id until a new
+        one is elected, which without a majority never happens)."""
+        leader_id = self.core.leader_id
+        if (leader_id and leader_id != self.config.node_id and self.net is not None
+                and not self.net.connected(leader_id)):
+            return None
         return self.core.leader()
 
     def status(self) -> EngineStatus:
