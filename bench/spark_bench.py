@@ -10,7 +10,8 @@ alternating which side goes first:
 
 - client: `qserver.client.Client.produce_many` of --rows ready-made items,
   --batch-size per call, on one connection to the master, with the sink's
-  pipelining window (qserver_spark.datasource.PIPELINE_WINDOW); rows/s
+  pipelining window (qserver_spark.datasource.PIPELINE_WINDOW) and timeout
+  (qserver_spark.options.DEFAULT_TIMEOUT_S); rows/s
   from the first call to the last answer. This is what one Python process can push through one
   connection: the ceiling the sink is measured against.
 - spark: `df.write.format("qserver")...save()` of a cached DataFrame of
@@ -84,7 +85,7 @@ def start_spark(master: str, partitions: int):
 
 def run_client(hosts: str, items: list[dict], batch_size: int) -> float:
     """Seconds to produce `items` with produce_many, batch_size per call."""
-    with Client(hosts) as client:
+    with Client(hosts, timeout=DEFAULT_TIMEOUT_S) as client:
         client.leader()  # connect (not timed)
         start = time.perf_counter()
         for i in range(0, len(items), batch_size):
@@ -167,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"the figures are not valid")
                     return 1
                 if size > want:
-                    # The client resends the produces a silent node did not
-                    # answer within its timeout: at-least-once.
-                    print(f"{queue} holds {size - want} duplicates (produces resent after a "
-                          f"{DEFAULT_TIMEOUT_S:g} s timeout: at-least-once)")
+                    # The client resends produces whose outcome it could not
+                    # know (a master change, a timeout, a broken connection).
+                    print(f"{queue} holds {size - want} duplicates: produces the client sent "
+                          f"again after a master change, a timeout or a broken connection "
+                          f"(at-least-once)")
         except KeyboardInterrupt:
             print("\ninterrupted; stopping the cluster", file=sys.stderr)
             return 130

@@ -64,8 +64,8 @@ DEFAULT_BATCH_SIZE = 1000
 # More gains nothing (the pipeline is full long before) and costs memory.
 MAX_BATCH_SIZE = 100_000
 
-# Seconds one node may stay silent before the client tries another: the
-# client's own default.
+# Seconds one node may stay silent before the task's client resends its
+# unanswered produces to another node: the client's own default.
 DEFAULT_TIMEOUT_S = 5.0
 
 # Queue names the server accepts (qserver.requests.MAX_QUEUE_NAME).
