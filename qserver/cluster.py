@@ -493,7 +493,7 @@ class ClusterEngine:
             status = os.read(r, 1)
         finally:
             os.close(r)
-        os.waitpid(pid, 0)
+        self._reap(pid)
         if status != b"\0":
             self._snapshot_failed(trans_id, "the writer failed (see its traceback above)")
             return
@@ -509,6 +509,16 @@ class ClusterEngine:
         log.info("node %d: snapshot at trans_id %d written in %.0f ms (fork pause %.1f ms)",
                  self.config.node_id, trans_id, stats["last_write_ms"], stats["last_pause_ms"])
         self._schedule_flush()  # the core may compact now
+
+    def _reap(self, pid: int) -> None:
+        """Collect the exited writer without blocking: tearing down a large
+        child's address space can take a while after it has reported."""
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not done:
+            self._loop.call_later(0.05, self._reap, pid)
 
     def _snapshot_failed(self, trans_id: int, why: str) -> None:
         self.snapshot_stats["failed"] += 1
