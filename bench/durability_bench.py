@@ -610,8 +610,8 @@ async def part_throughput(args: argparse.Namespace, root: str, report: Report) -
                       f"p50 {res.p50_ms:.3f} ms  p99 {res.p99_ms:.3f} ms  max {res.max_ms:.1f} ms  "
                       f"errors {res.errors}  cpu/req master {cpu[p][-1][0]:.0f} us, "
                       f"cluster {cpu[p][-1][1]:.0f} us", flush=True)
-    except DidNotFinish as exc:
-        print(f"  {exc}")
+    except (DidNotFinish, OSError) as exc:
+        print(f"  {type(exc).__name__}: {exc}")
     finally:
         for c in clusters.values():
             await c.stop_all()
@@ -741,7 +741,7 @@ async def part_restart(args: argparse.Namespace, root: str, report: Report) -> N
         mb, files = dir_mb(data_dir)
         print(f"  data directory at the end: {mb:.0f} MB in {files} files "
               f"({dir_listing(data_dir)})")
-    except DidNotFinish as exc:
+    except (DidNotFinish, OSError) as exc:
         failures.setdefault("fill", str(exc))
         print(f"  {exc}")
         print("  " + node.log_tail(3).replace("\n", "\n  "))
@@ -829,8 +829,8 @@ async def part_catchup(args: argparse.Namespace, root: str, report: Report) -> N
             mb, files = dir_mb(os.path.join(cl.root, f"data{slave}"))
             print(f"    slave's data directory: {mb:.0f} MB in {files} files "
                   f"({dir_listing(os.path.join(cl.root, f'data{slave}'))})")
-        except DidNotFinish as exc:
-            failure = str(exc)
+        except (DidNotFinish, OSError) as exc:
+            failure = str(exc) or type(exc).__name__
             print(f"  run {i + 1}/{args.repeat}: {exc}")
             for nid, n in cl.nodes.items():
                 tail = n.log_tail(3)
@@ -930,8 +930,7 @@ def _fs_type(path: str) -> str:
     return fstype
 
 
-async def _run(args: argparse.Namespace, root: str) -> Report:
-    report = Report()
+async def _run(args: argparse.Namespace, root: str, report: Report) -> Report:
     if "throughput" in args.parts:
         await part_throughput(args, root, report)
     if "restart" in args.parts:
@@ -943,6 +942,9 @@ async def _run(args: argparse.Namespace, root: str) -> Report:
 
 def print_summary(report: Report) -> None:
     print("\n== summary")
+    if not report.goals:
+        print("  no part finished")
+        return
     w = max([len(g.name) for g in report.goals] + [4])
     m = max([len(g.measured) for g in report.goals] + [8])
     print(f"  {'what':{w}}  {'measured':{m}}  {'goal':10}  met")
@@ -976,10 +978,13 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     t0 = time.perf_counter()
     try:
-        report = uvloop.run(_run(args, root))
+        uvloop.run(_run(args, root, report))
     except KeyboardInterrupt:
         print("\ninterrupted; stopping every node", file=sys.stderr)
         rc = 130
+    except Exception as exc:  # a bug here: still stop the nodes and print what was measured
+        print(f"\nbench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        rc = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
