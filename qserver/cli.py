@@ -362,7 +362,7 @@ async def _run(config: Config) -> int:
     print(f"qserver node {config.node_id} ready on {node.address[0]}:{node.address[1]}",
           flush=True)
     await node.serve()
-    return 0
+    return node.exit_status
 
 
 def main(argv: list[str] | None = None) -> int:

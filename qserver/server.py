@@ -261,6 +261,9 @@ class Node:
             handle = self.service.handle
             self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
                                                                           forwarded=True)
+        if hasattr(self.engine, "on_fatal"):
+            self.engine.on_fatal = self._fatal
+        self.exit_status = 0  # what `qserver run` exits with after serve()
         self.connections: set[ClientTcpProtocol] = set()
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
@@ -336,6 +339,12 @@ class Node:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _fatal(self, exc: BaseException) -> None:
+        """The engine cannot go on (a failed write or fsync): stop in order
+        and exit 1; a restart recovers from what is on disk."""
+        self.exit_status = 1
+        self.stop()
 
     async def shutdown(self) -> None:
         """Stop accepting, finish in-flight answers, close every connection."""

@@ -153,7 +153,8 @@ class NativeCore:
     def __init__(self, *, node_id: int, peer_ids: list[int], store: Store, log: Log,
                  me: LeaderInfo, rng: Rng, now_ms: int, timing: Timing = Timing(),
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
-                 vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False) -> None:
+                 vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False,
+                 deferred_sync: bool = False) -> None:
         self.node_id = node_id
         self.me = me
         self.peers: dict[int, _Peer] = {p: _Peer(p) for p in peer_ids if p != node_id}
@@ -191,6 +192,13 @@ class NativeCore:
         # the records after it. Without, a snapshot is built in memory and
         # sent as one message (the simulated network's way).
         self.external_snapshots = external_snapshots
+        # Deferred sync (fsync=always): the master sends its records before
+        # its own fsync has finished (which runs off the event loop) and
+        # counts itself towards a majority only up to `durable_id`, which
+        # the adapter advances with `synced_to` (Raft thesis 10.2.1).
+        # Without it, the master's records count once persisted.
+        self.deferred_sync = deferred_sync
+        self.durable_id = log.last_trans_id  # our records up to here are on stable storage
         self.snapshot_id = log.base_trans_id  # trans_id of our newest snapshot (0: none)
         self.snapshot_vote = log.base_vote_id  # vote_id of the entry at snapshot_id
         self.ready = Ready()
@@ -223,6 +231,13 @@ class NativeCore:
         master) and nothing else: for a forked copy of the node about to
         write its store as the snapshot at trans_id. Never on the live node."""
         self._rollback_to(trans_id)
+
+    def synced_to(self, trans_id: int) -> None:
+        """Our records up to trans_id are on stable storage (a deferred sync
+        finished): as master, we may now count them towards a majority."""
+        if trans_id > self.durable_id:
+            self.durable_id = min(trans_id, self.log.last_trans_id)
+            self._maybe_commit()
 
     def snapshot_taken(self, trans_id: int, vote_id: int) -> None:
         """A snapshot at trans_id is on disk: the log may be compacted up to
@@ -582,8 +597,10 @@ class NativeCore:
     def _maybe_commit(self) -> None:
         if self.role is not Role.MASTER:
             return
-        matches = sorted([self.log.last_trans_id] + [p.match_id for p in self.peers.values()],
-                         reverse=True)
+        own = self.log.last_trans_id
+        if self.deferred_sync and self.durable_id < own:
+            own = self.durable_id
+        matches = sorted([own] + [p.match_id for p in self.peers.values()], reverse=True)
         candidate = matches[self.quorum - 1]
         if candidate <= self.commit_id:
             return
@@ -611,7 +628,8 @@ class NativeCore:
             upto = min(commit_id, self.applied_id)
             if self.external_snapshots:
                 upto = min(upto, self.snapshot_id)
-            self.log.compact(self.log_size, upto)
+            if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
+                self.log.compact(self.log_size, upto)
 
     def _apply_speculative(self, record: Record) -> object:
         ops: list = []
@@ -700,6 +718,7 @@ class NativeCore:
             _vote, done, _result = self.waiting.pop(t)
             self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
         self.log.truncate_after(trans_id)
+        self.durable_id = min(self.durable_id, trans_id)
         r = self.ready
         r.records = [rec for rec in r.records if rec.trans_id <= trans_id]
         r.truncate_after = trans_id if r.truncate_after is None else min(r.truncate_after, trans_id)
@@ -746,5 +765,6 @@ class NativeCore:
         self.ready.truncate_after = None
         self.ready.snapshot = (msg.trans_id, msg.log_vote_id, msg.state)
         self.snapshot_id, self.snapshot_vote = msg.trans_id, msg.log_vote_id
+        self.durable_id = msg.trans_id  # installed durably before anything else happens
         self.last_pull = None
         self._maybe_pull(now_ms)

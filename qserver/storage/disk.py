@@ -219,6 +219,7 @@ class DiskStorage:
         self._next_trans_id = 1  # trans_id the next append must have
         self._base = 0  # trans_id of the newest snapshot (0: none)
         self._dirty = False  # the last segment has writes not yet fsynced
+        self._appends = 0  # append() calls so far: tells a background sync what it covered
         self._dir_dirty = False  # files were created or removed since the last fsync of the dir
         self._recovered = False
         self._failed: StorageError | None = None  # set by a failed write: refuse all work
@@ -541,6 +542,7 @@ class DiskStorage:
             raise self._fail(seg.path, seg.size, "write", exc) from exc
         seg.size += size
         self._dirty = True
+        self._appends += 1
 
     def _roll(self, first: int) -> _Segment:
         """Close the current segment (fsynced: every segment but the last is
@@ -580,6 +582,37 @@ class DiskStorage:
                 raise self._fail(seg.path, None, "fsync", exc) from exc
         self._dirty = False
         self._sync_dir()
+
+    def begin_sync(self) -> tuple[int, int, int] | None:
+        """Start a sync to be finished off the event loop: the directory is
+        fsynced now if it changed (rare: a segment created or removed), and
+        the caller gets (fd, covered, mark): a duplicate of the current
+        segment's descriptor to fsync and close in another thread, the last
+        trans_id that fsync makes durable, and a mark for `end_sync`. None
+        if nothing is waiting to be synced. A segment roll meanwhile does
+        not matter: it fsyncs the old segment itself, and the duplicate keeps
+        the file open. Raises StorageError as sync() does."""
+        if self._failed is not None:
+            raise self._failed
+        self._sync_dir()
+        if not self._dirty or self._fd < 0:
+            self._dirty = False
+            return None
+        try:
+            fd = os.dup(self._fd)
+        except OSError as exc:
+            raise self._fail(self._segments[-1].path, None, "dup", exc) from exc
+        return fd, self._next_trans_id - 1, self._appends
+
+    def end_sync(self, mark: int, error: OSError | None = None) -> None:
+        """Finish a sync begun by `begin_sync`: with `error`, the storage is
+        poisoned (StorageError raised); otherwise it is clean unless more was
+        appended since."""
+        if error is not None:
+            path = self._segments[-1].path if self._segments else self.directory
+            raise self._fail(path, None, "fsync", error)
+        if self._appends == mark:
+            self._dirty = False
 
     def _sync_dir(self) -> None:
         if self._dir_dirty:
