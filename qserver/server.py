@@ -78,6 +78,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         self.batching = False  # inside data_received: flush once at its end
         self.closing = False  # close once every slot is written
         self.paused = False  # reading paused (back-pressure)
+        self.flush_pending = False  # a flush is scheduled for this loop turn
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Bound once: data_received runs per read, and these never change.
         self._feed = self.decoder.feed
         self._answer_now = node.service.answer_now
@@ -85,6 +87,7 @@ class ClientTcpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()
         self.node.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -143,9 +146,17 @@ class ClientTcpProtocol(asyncio.Protocol):
     def _responder(self, slot: list):
         def respond(response: dict) -> None:
             slot[0] = encode_response(response)
-            if not self.batching:
-                self._flush()
+            if not self.batching and not self.flush_pending:
+                # Answers of replicated writes arrive together (one commit
+                # answers many): one write for all of them, at the end of
+                # this turn, instead of one write(2) each.
+                self.flush_pending = True
+                self._loop.call_soon(self._deferred_flush)
         return respond
+
+    def _deferred_flush(self) -> None:
+        self.flush_pending = False
+        self._flush()
 
     def _flush(self) -> None:
         transport = self.transport
