@@ -1,0 +1,450 @@
+"""The sans-I/O part of the client (see the `qserver.client` docstring for
+the theory of operation): constants, `Message`, `parse_hosts`, the request
+builders and time conversion, the reading of answers, and the exchange
+(`_Exchange`), the retry policy (`_Router`) and the answer framing
+(`_Lines`) that both drivers, `sync.Client` and `aio.AsyncClient`, run over
+their connections. Nothing here opens a socket or sleeps; the one clock read
+is `produce_request`'s default `now_s` (`time.time()`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import orjson
+
+from ..errors import (
+    InvalidArgument,
+    NoLeader,
+    QueueFull,
+    ServerError,
+)
+
+# How long one node may stay silent (connecting, or with requests in
+# flight) before the client gives up on it. A forwarded request can take a
+# few round trips; 5 s is far above that and short enough for a person
+# watching the command line.
+DEFAULT_TIMEOUT_S = 5.0
+
+# How long to keep retrying without progress. An election takes 0.6-1.2 s
+# per round (README: Cluster behaviour); 10 s covers several rounds on a
+# loaded machine.
+DEFAULT_RETRY_FOR_S = 10.0
+
+# Requests in flight on one connection in produce_many: enough to keep a node
+# busy (a round trip costs ~0.2 ms, a request ~15 us of server CPU), and well
+# under the node's MAX_PIPELINE (4096), past which it stops reading. Measured
+# against a three-node cluster (bench/spark_bench.py's client side), 200 gave
+# about 2.5 times the rows/s of 1,000: larger windows make larger per-turn
+# batches on the master, whose pushes and commits then come in bursts.
+DEFAULT_WINDOW = 200
+
+# Backoff after a full round of failed nodes: starts small (a redirect target
+# or a fresh master is usually there at once), doubles to a ceiling that
+# still notices a new master within a second.
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 1.0
+
+# Redirects followed at once, per exchange; past this (leaders pointing at
+# each other during an election) redirects count as failures, with backoff.
+MAX_REDIRECTS = 5
+
+# Polling of the consumer helpers (the protocol has no blocking consume):
+# quick while messages flow, backing off to a few requests per second on an
+# idle queue.
+POLL_MIN_S = 0.01
+POLL_MAX_S = 0.5
+
+# Bytes asked of the socket per read.
+RECV_SIZE = 256 * 1024
+
+# design.md, section 1: a wire time below this is seconds relative to now.
+ABSOLUTE_TIME_FROM = 1_000_000_000
+
+# Reasons for which asking again (elsewhere, a little later) can succeed:
+# the server's words (service.py, cluster.py, replication/native.py).
+NO_LEADER = "no leader"
+OUTCOME_UNKNOWN_SUFFIX = "outcome unknown"
+
+# The server's reason for a full queue is "queue full: NAME" (store.py).
+QUEUE_FULL_PREFIX = "queue full:"
+
+PRODUCE_KEYS = frozenset({"queue", "data", "delay", "ttl", "retry"})
+
+# Fields of an answer that echo the request or frame it, not its result.
+_ECHO_FIELDS = ("action", "code", "seq", "queue", "pattern")
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """One consumed message."""
+
+    queue: str
+    msg_id: int
+    data: str
+
+
+# -- arguments to requests (no I/O) -----------------------------------------
+
+
+def parse_hosts(hosts: str | Iterable[str | Address]) -> list[Address]:
+    """Addresses from "host:port" strings, (host, port) tuples, or one
+    comma-separated string. IPv6 literals may be written "[::1]:1111"."""
+    if isinstance(hosts, str):
+        items: list = [h.strip() for h in hosts.split(",") if h.strip()]
+    elif (isinstance(hosts, tuple) and len(hosts) == 2 and isinstance(hosts[0], str)
+          and isinstance(hosts[1], int)):
+        items = [hosts]
+    else:
+        items = list(hosts)
+    out: list[Address] = []
+    for item in items:
+        if isinstance(item, str):
+            host, sep, port_text = item.strip().rpartition(":")
+            if not sep or not host or not port_text.isdigit():
+                raise InvalidArgument(f"address {item!r} is not host:port")
+            port = int(port_text)
+            host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        elif (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], int) and not isinstance(item[1], bool)):
+            host, port = item
+        else:
+            raise InvalidArgument(f"address {item!r} is neither 'host:port' nor (host, port)")
+        if not 0 < port < 65536:
+            raise InvalidArgument(f"address {item!r}: port out of range")
+        out.append((host, port))
+    if not out:
+        raise InvalidArgument("no server address given")
+    return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def absolute_time(value: object, name: str, now_s: float) -> float | None:
+    """`delay`/`ttl` as absolute unix seconds; None for None (see "Time" in
+    the package docstring)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.timestamp()  # naive: local time, as datetime.now() gives
+    if isinstance(value, timedelta):
+        return now_s + value.total_seconds()
+    if _is_number(value):
+        if not math.isfinite(value):
+            raise InvalidArgument(f"{name} must be finite")
+        return value if value >= ABSOLUTE_TIME_FROM else now_s + value
+    raise InvalidArgument(f"{name} must be seconds, a datetime or a timedelta, "
+                          f"not {type(value).__name__}")
+
+
+def wire_retry(value: object) -> int:
+    """`retry` as whole seconds, rounded up."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if not _is_number(value) or not math.isfinite(value):
+        raise InvalidArgument(f"retry must be seconds or a timedelta, not {value!r}")
+    if value < 0:
+        raise InvalidArgument("retry must not be negative")
+    return math.ceil(value)
+
+
+def produce_request(queue: object, data: object, delay: object = None, ttl: object = None,
+                    retry: object = 0, now_s: float | None = None) -> dict:
+    """The wire request of one produce, validated."""
+    if not isinstance(queue, str):
+        raise InvalidArgument(f"queue must be a string, not {type(queue).__name__}")
+    if not isinstance(data, str):
+        raise InvalidArgument(f"data must be a string, not {type(data).__name__}")
+    now = time.time() if now_s is None else now_s
+    obj: dict = {"action": 1, "queue": queue, "data": data}
+    # Whole seconds, rounded up: never ready (or expired) before the time asked.
+    delay_s = absolute_time(delay, "delay", now)
+    if delay_s is not None and delay_s > now:  # a past delay: ready now
+        obj["delay"] = math.ceil(delay_s)
+    ttl_s = absolute_time(ttl, "ttl", now)
+    if ttl_s is not None:
+        obj["ttl"] = math.ceil(ttl_s)
+    retry_s = wire_retry(retry)
+    if retry_s:
+        obj["retry"] = retry_s
+    return obj
+
+
+def _item_request(item: object, index: int, now_s: float) -> dict:
+    if not isinstance(item, dict):
+        raise InvalidArgument(f"item {index}: must be a dict, not {type(item).__name__}")
+    unknown = item.keys() - PRODUCE_KEYS
+    if unknown:
+        raise InvalidArgument(f"item {index}: unknown key(s) {sorted(map(str, unknown))}")
+    if "queue" not in item or "data" not in item:
+        raise InvalidArgument(f"item {index}: needs 'queue' and 'data'")
+    try:
+        return produce_request(item["queue"], item["data"], item.get("delay"),
+                               item.get("ttl"), item.get("retry", 0), now_s)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"item {index}: {exc}") from None
+
+
+def server_error(response: dict, index: int | None = None) -> ServerError:
+    """The typed exception for a refusing answer."""
+    reason = str(response.get("reason", "unknown error"))
+    code = response.get("code", -1)
+    if reason == NO_LEADER:
+        cls = NoLeader
+    elif reason.startswith(QUEUE_FULL_PREFIX):
+        cls = QueueFull
+    else:
+        cls = ServerError
+    return cls(code if isinstance(code, int) else -1, reason, response, index)
+
+
+def _checked(response: dict) -> dict:
+    if response.get("code") != 0:
+        raise server_error(response)
+    return response
+
+
+def _message(queue: str, response: dict) -> Message | None:
+    if "msg_id" not in _checked(response):
+        return None
+    return Message(queue=queue, msg_id=response["msg_id"], data=response["data"])
+
+
+def _produced_ids(queue: str, response: dict) -> dict[str, int]:
+    _checked(response)
+    ids = response.get("msg_ids")
+    return dict(ids) if isinstance(ids, dict) else {queue: response["msg_id"]}
+
+
+def _result_fields(response: dict) -> dict:
+    _checked(response)
+    return {k: v for k, v in response.items() if k not in _ECHO_FIELDS}
+
+
+def _leader_fields(response: dict) -> dict:
+    _checked(response)
+    return {k: response[k] for k in ("leader_node_id", "leader_host", "leader_port")}
+
+
+def _monitor_request(queue: str | None, local: bool) -> dict:
+    obj: dict = {"action": 104 if local else 4}
+    if queue is not None:
+        obj["queue"] = queue
+    return obj
+
+
+def _raw_request(obj: object) -> tuple[dict, object]:
+    if not isinstance(obj, dict):
+        raise InvalidArgument(f"a request must be a dict, not {type(obj).__name__}")
+    obj = dict(obj)
+    user_seq = obj.pop("seq", _NO_SEQ)
+    try:
+        orjson.dumps(obj)
+    except TypeError as exc:
+        raise InvalidArgument(f"request cannot be encoded as JSON: {exc}") from None
+    return obj, user_seq
+
+
+def _raw_answer(response: dict, user_seq: object) -> dict:
+    response.pop("seq", None)
+    if user_seq is not _NO_SEQ:
+        response["seq"] = user_seq
+    return response
+
+
+_NO_SEQ = object()
+
+
+def _produce_many_ids(results: list) -> list[int]:
+    for index, response in enumerate(results):
+        if response is not None and response.get("code") != 0:
+            raise server_error(response, index)
+    return [response["msg_id"] for response in results]
+
+
+# -- the exchange and the retry policy (no I/O) --------------------------------
+
+
+class _BrokenStream(Exception):
+    """The node sent something that is not the answer expected next."""
+
+
+class _Exchange:
+    """A batch of requests and their answers, whatever the connection.
+
+    `take()` gives the bytes of the requests that fit in the window;
+    `feed(answer)` matches an answer to the oldest request in flight;
+    `connection_lost()` puts every request in flight back to be sent again.
+    After a redirect or a retriable refusal the exchange is `halted`: it
+    sends nothing new, and once the answers in flight are in (`idle`) the
+    driver moves to another node and calls `resume()`.
+    """
+
+    def __init__(self, requests: Sequence[dict], window: int, seqs: Iterator[int], *,
+                 stop_on_error: bool) -> None:
+        self.requests = requests
+        self.results: list[dict | None] = [None] * len(requests)
+        self.answered = 0  # final answers so far
+        self.window = window
+        self.stop_on_error = stop_on_error
+        self.redirect: Address | None = None
+        self.retry_error: ServerError | None = None
+        self.failed: int | None = None  # index of the first refusal, with stop_on_error
+        self._seqs = seqs
+        self._next = 0  # next request never sent
+        self._resend: deque[int] = deque()
+        self._in_flight: deque[tuple[int, int]] = deque()  # (seq, index)
+
+    @property
+    def halted(self) -> bool:
+        return self.redirect is not None or self.retry_error is not None or self.failed is not None
+
+    @property
+    def idle(self) -> bool:
+        return not self._in_flight
+
+    @property
+    def finished(self) -> bool:
+        if self.failed is not None:
+            return not self._in_flight
+        return self.answered == len(self.requests)
+
+    def take(self) -> bytes:
+        if self.halted:
+            return b""
+        parts = []
+        in_flight = self._in_flight
+        while len(in_flight) < self.window:
+            if self._resend:
+                index = self._resend.popleft()
+            elif self._next < len(self.requests):
+                index = self._next
+                self._next += 1
+            else:
+                break
+            seq = next(self._seqs)
+            obj = self.requests[index].copy()
+            obj["seq"] = seq
+            parts.append(orjson.dumps(obj))
+            in_flight.append((seq, index))
+        return b"".join(parts)
+
+    def feed(self, response: object) -> None:
+        if not self._in_flight:
+            raise _BrokenStream("an answer to no request")
+        if type(response) is not dict:
+            raise _BrokenStream("an answer that is not a JSON object")
+        seq, index = self._in_flight.popleft()
+        echoed = response.get("seq")
+        # Relayed "no leader"/"outcome unknown" answers carry no seq.
+        if echoed is not None and echoed != seq:
+            raise _BrokenStream(f"answer for seq {echoed} where {seq} was due")
+        code = response.get("code")
+        if code == -2:
+            host, port = response.get("leader_host"), response.get("leader_port")
+            if isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536:
+                self.redirect = (host, port)
+            else:
+                self.retry_error = NoLeader(-2, "redirect without a leader address", response)
+            self._resend.append(index)
+            return
+        reason = response.get("reason")
+        if code == -1 and isinstance(reason, str) and (
+                reason == NO_LEADER or reason.endswith(OUTCOME_UNKNOWN_SUFFIX)):
+            self.retry_error = server_error(response, None)
+            self._resend.append(index)
+            return
+        self.results[index] = response
+        self.answered += 1
+        if code != 0 and self.stop_on_error and self.failed is None:
+            self.failed = index
+
+    def connection_lost(self) -> None:
+        self._resend.extend(index for _, index in self._in_flight)
+        self._in_flight.clear()
+
+    def resume(self) -> None:
+        self.redirect = None
+        self.retry_error = None
+
+
+class _Router:
+    """Which node to ask next and how long to keep trying (see the package
+    docstring). Sticks to a node while it serves."""
+
+    def __init__(self, addresses: list[Address], retry_for_s: float) -> None:
+        self.addresses = addresses
+        self.retry_for_s = retry_for_s
+        self._i = 0
+        self.redirect_to: Address | None = None
+        self.begin()
+
+    @property
+    def address(self) -> Address:
+        return self.redirect_to or self.addresses[self._i]
+
+    def begin(self) -> None:
+        """A new exchange, or progress in the current one: a fresh budget."""
+        self._deadline: float | None = None
+        self._failures = 0
+        self._redirects = 0
+        self._backoff_s = BACKOFF_MIN_S
+
+    def redirected(self, address: Address, error: Exception, now_s: float) -> float:
+        """Follow a redirect; returns the seconds to wait first."""
+        self._redirects += 1
+        if self._redirects <= MAX_REDIRECTS:
+            self.redirect_to = address
+            return 0.0
+        delay = self.failed(error, now_s)
+        self.redirect_to = address
+        return delay
+
+    def failed(self, error: Exception, now_s: float) -> float:
+        """The current node failed: move on; returns the seconds to wait
+        before the next attempt, or raises `error` when the time is up."""
+        if self.redirect_to is None:
+            self._i = (self._i + 1) % len(self.addresses)
+        self.redirect_to = None
+        self._failures += 1
+        if self._deadline is None:
+            self._deadline = now_s + self.retry_for_s
+        n = len(self.addresses)
+        if self._failures >= n and now_s >= self._deadline:
+            raise error
+        if self._failures % n:
+            return 0.0  # another node may serve at once
+        delay = min(self._backoff_s, max(0.0, self._deadline - now_s))
+        self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+        return delay
+
+
+class _Lines:
+    """Newline-framed JSON answers out of a byte stream."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self._buf += data
+        if b"\n" not in data:
+            return []
+        *lines, rest = self._buf.split(b"\n")
+        self._buf = bytearray(rest)
+        try:
+            return [orjson.loads(line) for line in lines if line.strip()]
+        except orjson.JSONDecodeError as exc:
+            raise _BrokenStream(f"an answer that is not JSON: {exc}") from None
+
+
+def _describe(address: Address) -> str:
+    return f"{address[0]}:{address[1]}"
+
