@@ -64,6 +64,7 @@ from typing import Protocol
 from ..entries import Entry, Noop, Record
 from ..errors import InvariantError
 from ..log import COMPACT_SLACK, Log
+from .local import LONE_LOG_RECORDS
 from ..store import Store
 from .base import Done, EngineStatus, LeaderInfo
 from .messages import (
@@ -165,7 +166,11 @@ class NativeCore:
         self.timing = timing
         self.async_mode = async_mode
         self.sync_rate = sync_rate
-        self.log_size = log_size
+        # Records kept in memory for slaves that pull: queue_server's
+        # log_size; a node alone has no slave, so it keeps only a few
+        # (replication.local.LONE_LOG_RECORDS: memory, and records that die
+        # young cost the garbage collector nothing).
+        self.log_size = log_size if self.peers else min(log_size, LONE_LOG_RECORDS)
         self.vote_id = vote_id  # current epoch; persisted with voted_for
         self.voted_for = voted_for  # whom we voted for in vote_id (0: nobody)
         self.role = Role.SLAVE
@@ -626,7 +631,7 @@ class NativeCore:
                     else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
         if len(self.log) > self.log_size + COMPACT_SLACK:
             upto = min(commit_id, self.applied_id)
-            if self.external_snapshots:
+            if self.external_snapshots and self.peers:  # a slave may need the log after it
                 upto = min(upto, self.snapshot_id)
             if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
                 self.log.compact(self.log_size, upto)
