@@ -71,7 +71,7 @@ from .replication.messages import (
     Snapshot,
     SnapshotAck,
     SnapshotChunk,
-    message_from_wire,
+    message_from_peer,
     message_to_wire,
 )
 from .replication.native import NativeCore, Timing
@@ -324,14 +324,9 @@ class ClusterEngine:
     # -- events ----------------------------------------------------------------
 
     def _on_message(self, peer_id: int, obj: object) -> None:
-        try:
-            msg = message_from_wire(obj)
-        except ValueError as exc:
-            log.warning("node %d: bad message from node %d: %s", self.config.node_id, peer_id, exc)
-            return
-        if msg.node_id != peer_id:
-            log.warning("node %d: node %d sent a message as node %d; dropped",
-                        self.config.node_id, peer_id, msg.node_id)
+        msg = message_from_peer(peer_id, obj)
+        if type(msg) is str:
+            log.warning("node %d: %s", self.config.node_id, msg)
             return
         t = type(msg)
         if t is Forward:

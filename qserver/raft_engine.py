@@ -68,7 +68,7 @@ from .config import Config, Fsync
 from .entries import Entry
 from .peers import PeerNetwork
 from .replication.base import Done, EngineStatus, LeaderInfo
-from .replication.messages import Forward, ForwardReply, Hello, message_from_wire, message_to_wire
+from .replication.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from .replication.raft import RaftMachine
 from .store import Store
 
@@ -516,14 +516,9 @@ class RaftEngine:
                     self._fail_forward(request_id, "master unreachable; outcome unknown")
 
     def _on_message(self, peer_id: int, obj: object) -> None:
-        try:
-            msg = message_from_wire(obj)
-        except ValueError as exc:
-            log.warning("node %d: bad message from node %d: %s", self.config.node_id, peer_id, exc)
-            return
-        if msg.node_id != peer_id:
-            log.warning("node %d: node %d sent a message as node %d; dropped",
-                        self.config.node_id, peer_id, msg.node_id)
+        msg = message_from_peer(peer_id, obj)
+        if type(msg) is str:
+            log.warning("node %d: %s", self.config.node_id, msg)
             return
         t = type(msg)
         if t is Hello:

@@ -9,10 +9,7 @@ from pathlib import Path
 
 from procs import Cluster, NodeProcess, TcpClient, wait_until
 
-from qserver.entries import Record
-from qserver.log import Log
-from qserver.storage import DiskStorage
-from qserver.store import Store
+from test_snapshot_replay import recovered
 
 DATA = "x" * 1000  # 1 kB messages: a few thousand make a multi-chunk snapshot
 
@@ -23,22 +20,10 @@ def single_config(port: int, data: Path, log_size: int) -> str:
             f'<storage dir="{data}" fsync="batch"/></config>')
 
 
-def replayed_state(data: Path, queue_size: int = 1_000_000) -> tuple[int, list]:
+def replayed_state(data: Path) -> tuple[int, list]:
     """What a node's data directory holds: (last trans_id, store state), read
     back as a restart would (snapshot, then the log after it)."""
-    storage = DiskStorage.open(str(data), "off")
-    store = Store(queue_size=queue_size)
-    try:
-        got = storage.recover(sink_factory=store.snapshot_loader)
-        last = 0
-        if got.snapshot is not None:
-            store.load_wire(got.snapshot[2])
-            last = got.snapshot[0]
-        for record in got.records:
-            store.apply(record.entry)
-            last = record.trans_id
-    finally:
-        storage.close()
+    store, last = recovered(str(data))
     return last, store.to_wire()
 
 

@@ -18,6 +18,7 @@ from ..entries import Record, record_from_wire, record_to_wire
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
     "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "Message", "message_to_wire", "message_from_wire",
+    "message_from_peer",
 ]
 
 
@@ -268,3 +269,16 @@ def message_from_wire(obj: object) -> Message:
         return SnapshotAck(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
                            offset=_n(obj[4], "offset"))
     raise ValueError(f"unknown message tag {tag!r} with {n} fields")
+
+
+def message_from_peer(peer_id: int, obj: object) -> Message | str:
+    """A message as received from the authenticated peer `peer_id`: the
+    decoded message, or the reason to drop it (malformed, or sent in
+    another node's name)."""
+    try:
+        msg = message_from_wire(obj)
+    except ValueError as exc:
+        return f"bad message from node {peer_id}: {exc}"
+    if msg.node_id != peer_id:
+        return f"node {peer_id} sent a message as node {msg.node_id}; dropped"
+    return msg
