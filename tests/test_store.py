@@ -717,3 +717,247 @@ def test_apply_with_undo_gives_the_same_result_and_state(d):
     entry = d.decide_consume(NOW)
     assert d.store.apply(entry, []) == plain.store.apply(entry) == (1, "m")
     assert d.store.to_wire() == plain.store.to_wire()
+
+
+# -- the FIFO index (never-delivered messages in time order, no keys) ---------------------
+
+
+def _where(q, msg_id) -> str:
+    """Which index holds a message: 'fifo', 'pending' or 'retrying'."""
+    found = [name for name, ids in (
+        ("fifo", list(q.fifo)),
+        ("pending", [k & ((1 << 64) - 1) for k in q.pending]),
+        ("retrying", [k & ((1 << 64) - 1) for k in q.retrying])) if msg_id in ids]
+    assert len(found) == 1, (msg_id, found)
+    return found[0]
+
+
+def test_in_order_produces_go_to_the_fifo_without_keys(d):
+    ids = [d.produce_id(NOW + i // 3, data=f"m{i}") for i in range(10)]
+    q = d.store.get("q")
+    assert list(q.fifo) == ids
+    assert len(q.pending) == 0
+    # The FIFO holds the dict's own key objects, not copies (ids above 256,
+    # which CPython does not cache).
+    big = [10**9 + i for i in range(3)]
+    for msg_id in big:
+        d.apply(Produce(targets=(("big", msg_id),), data="x", ready_ms=NOW, ttl_ms=NOW + 1,
+                        retry_ms=0))
+    keys = {id(k) for k in d.store.get("big").messages}
+    assert list(d.store.get("big").fifo) == big
+    assert {id(i) for i in d.store.get("big").fifo} == keys
+    assert [m for _, m in d.drain(NOW + 5)] == [f"m{i}" for i in range(10)]
+    assert len(q.fifo) == 0
+
+
+def test_out_of_order_produces_go_to_pending_and_all_come_out_by_time(d):
+    d.produce_id(NOW, data="a")  # FIFO
+    d.produce_id(NOW, data="late60", delay=60)  # later than the tail: FIFO
+    d.produce_id(NOW, data="late30", delay=30)  # earlier than the tail: pending
+    d.produce_id(NOW + 1, data="b")  # in time order, but before the tail: pending
+    d.produce_id(NOW + 2, data="c")
+    q = d.store.get("q")
+    assert list(q.fifo) == [1, 2]
+    assert [_where(q, i) for i in (3, 4, 5)] == ["pending"] * 3
+    assert [m for _, m in d.drain(NOW + 10)] == ["a", "b", "c"]
+    assert d.consume(NOW + 29_999) is None
+    # Once the clock passes the FIFO's tail, in-order produces join it again.
+    d.produce_id(NOW + 60_000, data="d")
+    assert _where(q, 6) == "fifo"
+    assert [m for _, m in d.drain(NOW + 60_000)] == ["late30", "late60", "d"]
+
+
+def test_fifo_and_pending_heads_interleave_with_retries_by_time(d):
+    d.produce_id(NOW, data="r", retry=3)  # FIFO; retrying after its delivery
+    assert d.consume(NOW) == (1, "r")
+    d.produce_id(NOW, data="x", delay=10)  # FIFO tail at NOW+10000
+    d.produce_id(NOW + 1, data="y")  # pending: before the tail
+    d.produce_id(NOW + 1, data="z", delay=2)  # pending, NOW+2001
+    q = d.store.get("q")
+    assert [_where(q, i) for i in (1, 2, 3, 4)] == ["retrying", "fifo", "pending", "pending"]
+    got = [(t, d.consume(t)) for t in (NOW + 1, NOW + 2001, NOW + 3000, NOW + 9999, NOW + 10_000)]
+    # r is due again at NOW+6000 and NOW+9000, each time before x.
+    assert got == [(NOW + 1, (3, "y")), (NOW + 2001, (4, "z")), (NOW + 3000, (1, "r")),
+                   (NOW + 9999, (1, "r")), (NOW + 10_000, (2, "x"))]
+
+
+def test_confirm_of_fifo_messages_at_head_middle_and_tail(d):
+    ids = [d.produce_id(NOW, data=f"m{i}") for i in range(6)]
+    q = d.store.get("q")
+    assert d.confirm("q", ids[3]) is True  # middle
+    assert d.confirm("q", ids[0]) is True  # head
+    assert d.confirm("q", ids[5]) is True  # tail
+    assert list(q.fifo) == [ids[1], ids[2], ids[4]]
+    # The tail's ready time is tracked again, so in-order produces still join.
+    assert d.produce_id(NOW) == 7
+    assert list(q.fifo) == [2, 3, 5, 7]
+    assert [m for _, m in d.drain(NOW)] == ["m1", "m2", "m4", "m"]
+
+
+def test_confirm_of_a_pending_message_next_to_the_fifo(d):
+    d.produce_id(NOW, data="a", delay=5)
+    d.produce_id(NOW, data="b")  # pending
+    d.produce_id(NOW, data="c")  # pending
+    q = d.store.get("q")
+    assert d.confirm("q", 2) is True
+    assert list(q.fifo) == [1] and len(q.pending) == 1
+    assert [m for _, m in d.drain(NOW + 5000)] == ["c", "a"]
+
+
+def _apply_all(store, entries):
+    wires, undos = [], []
+    for entry in entries:
+        wires.append(store.to_wire())
+        undo = []
+        store.apply(entry, undo)
+        store._check()
+        undos.append(undo)
+    return wires, undos
+
+
+def _revert_all(store, wires, undos):
+    for undo, wire in zip(reversed(undos), reversed(wires)):
+        store.revert(undo)
+        store._check()
+        assert store.to_wire() == wire
+
+
+def test_revert_of_produce_consume_confirm_around_the_fifo(d):
+    for i in range(4):
+        d.produce_id(NOW, data=f"m{i}", retry=5)
+    d.produce_id(NOW, data="late", delay=60)  # FIFO tail
+    d.produce_id(NOW, data="p")  # pending
+    store = d.store
+    q = store.get("q")
+    ready_before = q.fifo_ready
+    steps = [
+        d.decide_produce(NOW + 1, data="n7"),  # pending: before the tail
+        d.decide_consume(NOW),  # FIFO head, to retrying
+        Consume(queue="q", msg_id=2, retry_at_ms=0),  # the next FIFO head, deleted
+        Confirm(queue="q", msg_id=4),  # FIFO middle
+        Confirm(queue="q", msg_id=5),  # FIFO tail
+        Confirm(queue="q", msg_id=6),  # pending
+        Confirm(queue="q", msg_id=1),  # retrying
+    ]
+    wires, undos = _apply_all(store, steps)
+    assert list(q.fifo) == [3] and len(q.pending) == 1  # only n7 left there
+    _revert_all(store, wires, undos)
+    assert q.fifo_ready >= ready_before
+    # Everything is back and comes out in the original order.
+    assert [m for _, m in d.drain(NOW + 60_000)] == ["m0", "m1", "m2", "m3", "p", "late"]
+
+
+def test_revert_of_in_order_produces_and_consumes_keeps_the_fifo(d):
+    d.produce_id(NOW, data="a")
+    store = d.store
+    q = store.get("q")
+    steps = [d.decide_produce(NOW, data="b")]
+    wires, undos = _apply_all(store, steps)
+    steps2 = [d.decide_consume(NOW)]
+    w2, u2 = _apply_all(store, steps2)
+    _revert_all(store, w2, u2)  # the head comes back at the head
+    assert list(q.fifo) == [1, 2] and len(q.pending) == 0
+    _revert_all(store, wires, undos)  # the tail is popped
+    assert list(q.fifo) == [1] and q.max_id == 1
+    assert d.produce_id(NOW, data="c") == 2
+    assert list(q.fifo) == [1, 2] and len(q.pending) == 0
+    # Reverting the produce that created the queue removes it.
+    w3, u3 = _apply_all(store, [d.decide_produce(NOW, "new")])
+    _revert_all(store, w3, u3)
+    assert store.get("new") is None
+
+
+def test_revert_restores_into_an_emptied_fifo_and_into_pending(d):
+    for i in range(3):
+        d.produce_id(NOW, data=f"m{i}")
+    store = d.store
+    q = store.get("q")
+    steps = [Confirm(queue="q", msg_id=2), d.decide_consume(NOW), Consume(queue="q", msg_id=3,
+                                                                        retry_at_ms=0)]
+    wires, undos = _apply_all(store, steps)
+    assert len(q.fifo) == 0
+    _revert_all(store, wires, undos)
+    # 3 back into the empty FIFO, 1 at its head; 2 (the old middle) may be
+    # in either index, but the order of delivery is the original one.
+    assert [m for _, m in d.drain(NOW)] == ["m0", "m1", "m2"]
+
+
+def test_counts_and_wait_status_with_fifo_and_pending_both_populated(d):
+    ready = []
+    for i in range(10):  # FIFO, 1 s apart
+        d.produce(NOW + i * 1000, data=f"f{i}")
+        ready.append(NOW + i * 1000)
+    d.produce(NOW + 9000, data="tail", delay=100)  # FIFO tail at NOW+109000
+    ready.append(NOW + 109_000)
+    for i in range(10):  # pending: before the tail; interleaved in time with the FIFO
+        d.produce(NOW + 9000 + i * 500, data=f"p{i}", delay=i % 3)
+        ready.append(NOW + 9000 + i * 500 + (i % 3) * 1000)
+    q = d.store.get("q")
+    assert len(q.fifo) == 11 and len(q.pending) == 10
+    for now in (NOW - 1, NOW, NOW + 4500, NOW + 9000, NOW + 11_000, NOW + 14_000,
+                NOW + 108_999, NOW + 109_000, NOW + 400_000):
+        n_ready = sum(1 for t in ready if t <= now)
+        assert q.counts(now) == (n_ready, len(ready) - n_ready, 0), now
+        assert q.wait_status(now) == _model_wait_status(ready, now), now
+    # With a retrying message too.
+    assert d.consume(NOW + 20_000) == (1, "f0")  # retry 0: deleted
+    ready.remove(NOW)
+    d.produce(NOW + 20_000, data="r", retry=10)  # pending (before the tail)
+    assert _where(q, 22) == "pending"
+    ready.append(NOW + 20_000)
+    assert d.consume(NOW + 20_000) == (2, "f1")
+    ready.remove(NOW + 1000)
+    assert q.counts(NOW + 20_000) == (len(ready) - 1, 1, 0)  # all but the tail
+    assert q.wait_status(NOW + 20_000) == _model_wait_status(ready, NOW + 20_000)
+    assert [m for _, m in d.drain(NOW + 20_000)][-1] == "r"  # in flight until NOW+30000
+    assert q.counts(NOW + 20_000) == (0, 1, 1)
+    assert q.counts(NOW + 30_000) == (1, 1, 0)
+    assert q.wait_status(NOW + 30_000) == 0
+
+
+def test_snapshot_load_builds_the_fifo(d):
+    for i in range(5):
+        d.produce(NOW + i, data=f"f{i}")
+    d.produce(NOW + 5, data="late", delay=30)  # FIFO tail
+    d.produce(NOW + 6, data="p")  # pending
+    d.produce(NOW + 7, data="r", retry=5)  # pending
+    assert d.consume(NOW + 10) == (1, "f0")
+    d.confirm("q", 3)  # a hole in the FIFO
+    wire = d.store.to_wire()
+    fresh = Store(queue_size=1000)
+    fresh.load_wire(wire)
+    fresh._check()
+    assert fresh.to_wire() == wire
+    q = fresh.get("q")
+    assert list(q.fifo) == [2, 4, 5, 6]
+    assert sorted(k & ((1 << 64) - 1) for k in q.pending) == [7, 8]
+    # Through a snapshot loader fed in chunks, as storage decodes one.
+    loader = fresh.snapshot_loader()
+    for name, max_id, msgs in wire:
+        loader.queue(name, max_id)
+        for start in range(0, len(msgs), 2):
+            loader.messages(msgs[start:start + 2])
+    other = Store(queue_size=1000)
+    other.load_wire(loader)
+    other._check()
+    assert list(other.get("q").fifo) == [2, 4, 5, 6]
+    assert other.to_wire() == wire
+    copy = Driver()
+    copy.store = other
+    for t in (NOW + 10, NOW + 30_005, NOW + HOUR_MS):
+        assert d.drain(t) == copy.drain(t)
+
+
+def test_check_detects_a_broken_fifo(d):
+    for i in range(3):
+        d.produce(NOW + i)
+    q = d.store.get("q")
+    q.fifo.rotate(1)  # out of order
+    with pytest.raises(InvariantError):
+        d.store._check()
+    q.fifo.rotate(-1)
+    d.store._check()
+    q.pending.add(NOW << 64 | 1)  # in both indexes
+    q.fifo.pop()  # (and the sizes still add up)
+    with pytest.raises(InvariantError):
+        d.store._check()
