@@ -55,8 +55,11 @@ class _AsyncConnection:
 
     @classmethod
     async def open(cls, address: Address, timeout_s: float) -> _AsyncConnection:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(*address), timeout_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose
+        # inner call finishes as the caller is cancelled can swallow the
+        # cancellation (the caller then runs on to the end).
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(*address)
         return cls(address, reader, writer)
 
     def close(self) -> None:
@@ -233,7 +236,8 @@ class AsyncClient:
                 conn.writer.write(out)
             elif ex.idle:
                 return
-            data = await asyncio.wait_for(conn.reader.read(RECV_SIZE), self.timeout)
+            async with asyncio.timeout(self.timeout):  # see _AsyncConnection.open
+                data = await conn.reader.read(RECV_SIZE)
             if not data:
                 raise ConnectionError("connection closed by the node")
             for response in conn.lines.feed(data):
