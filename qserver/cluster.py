@@ -234,7 +234,7 @@ class ClusterEngine:
         self._outgoing: dict[int, _Outgoing] = {}
         self._incoming: _Incoming | None = None
         self._installing: tuple[str, int] | None = None  # a received file, until installed
-        self.snapshot_stats = {"snapshot_id": self.core.snapshot_id, "taken": 0, "failed": 0,
+        self.snapshot_stats = {"taken": 0, "failed": 0,
                                "last_pause_ms": None, "max_pause_ms": None, "last_write_ms": None,
                                "sent": 0, "installed": 0}
 
