@@ -26,13 +26,23 @@ from __future__ import annotations
 from .entries import Entry, Record
 from .errors import InvariantError
 
-__all__ = ["Log", "COMPACT_SLACK"]
+__all__ = ["Log", "COMPACT_SLACK", "LONE_LOG_RECORDS"]
 
 _new = tuple.__new__
 
 # Compaction runs when the log holds this many records over its bound, not on
-# every append: one popleft loop per 1,024 appends instead of one call each.
+# every append: one prefix deletion (an O(n) move of the list) per 1,024
+# appends instead of one per append.
 COMPACT_SLACK = 1024
+
+# A node alone (no peers) has nobody to read its in-memory log: no slave
+# pulls from it, and a restart replays the disk, not memory. So it keeps at
+# most this many records (fewer if log_size says so), not log_size. Records
+# this short-lived are freed by reference counting before the garbage
+# collector's next pass (every 100,000 net allocations, server.GC_THRESHOLDS),
+# so the collector never scans them, and a million-message node does not
+# hold log_size records of them (bench/hotpath.py, bench/durability_bench.py).
+LONE_LOG_RECORDS = 2048
 
 
 class Log:

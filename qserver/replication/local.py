@@ -11,21 +11,11 @@ This module does no I/O.
 from __future__ import annotations
 
 from ..entries import Entry
-from ..log import COMPACT_SLACK, Log
+from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..store import Store
 from .base import Done, EngineStatus, LeaderInfo
 
-__all__ = ["LocalEngine", "LONE_LOG_RECORDS"]
-
-# A lone node without storage has nobody to read its log: no slave pulls
-# from it and no disk replays it. So it keeps at most this many records
-# (fewer if log_size says so), not log_size. Records this short-lived are
-# freed by reference counting before the garbage collector's next pass
-# (every 100,000 net allocations, server.GC_THRESHOLDS), so the collector
-# never scans them: measured, that is most of its cost per produce
-# (bench/run_bench.py --modes produce: 17.0 against 15.0 us of server CPU
-# per request with the collector off).
-LONE_LOG_RECORDS = 2048
+__all__ = ["LocalEngine"]
 
 
 class LocalEngine:

@@ -63,8 +63,7 @@ from typing import Protocol
 
 from ..entries import Entry, Noop, Record
 from ..errors import InvariantError
-from ..log import COMPACT_SLACK, Log
-from .local import LONE_LOG_RECORDS
+from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..store import Store
 from .base import Done, EngineStatus, LeaderInfo
 from .messages import (
@@ -168,8 +167,7 @@ class NativeCore:
         self.sync_rate = sync_rate
         # Records kept in memory for slaves that pull: queue_server's
         # log_size; a node alone has no slave, so it keeps only a few
-        # (replication.local.LONE_LOG_RECORDS: memory, and records that die
-        # young cost the garbage collector nothing).
+        # (log.LONE_LOG_RECORDS).
         self.log_size = log_size if self.peers else min(log_size, LONE_LOG_RECORDS)
         self.vote_id = vote_id  # current epoch; persisted with voted_for
         self.voted_for = voted_for  # whom we voted for in vote_id (0: nobody)
