@@ -61,7 +61,6 @@ import re
 import select
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,10 @@ import uvloop
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import loadgen  # noqa: E402  (this directory, whether run as a script or not)
 from loadgen import CONSUME_QUEUE, MODES, PROTOS, LoadResult  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from procs import free_port  # noqa: E402,F401  (durability_bench imports it from here)
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
@@ -103,21 +106,6 @@ SERVERS = ("noop", "qserver")
 _READY = re.compile(rb"ready on (\S+):(\d+)")
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def free_port() -> int:
-    """A port free for both TCP and UDP on 127.0.0.1 (at the time of asking)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
-            t.bind(("127.0.0.1", 0))
-            port = t.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                try:
-                    u.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port for both tcp and udp")
 
 
 class ServerProcess:
