@@ -81,6 +81,7 @@ from .storage import (
     decode_snapshot,
     snapshot_file_name,
     store_wire_iter,
+    unlink_quietly,
     write_snapshot_file,
 )
 from .store import SnapshotLoader, Store
@@ -399,7 +400,7 @@ class ClusterEngine:
         elif ready.snapshot is not None:
             self._keep_installed(ready.snapshot[0])
         if self._installing is not None:  # received, but the core did not want it
-            DiskStorage._unlink_quietly(self._installing[0])
+            unlink_quietly(self._installing[0])
             self._installing = None
         if self.net is not None and ready.messages:
             self._send_all(ready.messages)
@@ -628,11 +629,11 @@ class ClusterEngine:
         this one goes). Returns whether it was kept."""
         keep = snapshot_file_name(trans_id)
         if trans_id < self.core.snapshot_id:
-            DiskStorage._unlink_quietly(os.path.join(self._snap_dir, keep))
+            unlink_quietly(os.path.join(self._snap_dir, keep))
             return False
         for name in os.listdir(self._snap_dir):
             if name.startswith("snapshot-") and name != keep:
-                DiskStorage._unlink_quietly(os.path.join(self._snap_dir, name))
+                unlink_quietly(os.path.join(self._snap_dir, name))
         return True
 
     def _keep_installed(self, trans_id: int) -> None:
@@ -662,7 +663,7 @@ class ClusterEngine:
             self._drop_stream(peer_id)
         if self._incoming is not None:
             self._incoming.close()
-            DiskStorage._unlink_quietly(self._incoming.path)
+            unlink_quietly(self._incoming.path)
             self._incoming = None
 
     # -- snapshots: streaming to a slave ---------------------------------------
@@ -745,7 +746,7 @@ class ClusterEngine:
         except OSError as exc:
             log.error("node %d: writing %s failed: %s", self.config.node_id, inc.path, exc)
             inc.close()
-            DiskStorage._unlink_quietly(inc.path)
+            unlink_quietly(inc.path)
             self._incoming = None
             return
         inc.offset += len(msg.data)
@@ -768,7 +769,7 @@ class ClusterEngine:
         except (OSError, ValueError) as exc:
             log.error("node %d: received snapshot %s is unusable: %s", self.config.node_id,
                       inc.path, exc)
-            DiskStorage._unlink_quietly(inc.path)
+            unlink_quietly(inc.path)
             return
         log.info("node %d: received snapshot at trans_id %d (%d bytes) from node %d",
                  self.config.node_id, trans_id, inc.offset, inc.source)

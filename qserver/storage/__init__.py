@@ -10,9 +10,10 @@ from .disk import (
     Recovered,
     StorageError,
     snapshot_file_name,
+    unlink_quietly,
     write_snapshot_file,
 )
 from .format import decode_snapshot, store_wire_iter
 
 __all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter",
-           "decode_snapshot", "snapshot_file_name", "write_snapshot_file"]
+           "decode_snapshot", "snapshot_file_name", "unlink_quietly", "write_snapshot_file"]

@@ -83,7 +83,7 @@ from .format import (
 )
 
 __all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "snapshot_file_name",
-           "write_snapshot_file"]
+           "unlink_quietly", "write_snapshot_file"]
 
 log = logging.getLogger("qserver.storage")
 
@@ -159,6 +159,14 @@ def _read_blocks(path: str) -> Iterator[bytes]:
             yield block
 
 
+def unlink_quietly(path: str) -> None:
+    """Remove a file if it is there; a file already gone is not an error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _write_file_atomic(directory: str, name: str, pieces: Iterable[bytes]) -> None:
     """Write `name` in `directory` under a temporary name, fsync it, rename
     it into place, fsync the directory. Raises StorageError on failure (the
@@ -180,10 +188,10 @@ def _write_file_atomic(directory: str, name: str, pieces: Iterable[bytes]) -> No
         finally:
             os.close(dfd)
     except OSError as exc:
-        DiskStorage._unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise StorageError(final, None, f"write failed: {exc.strerror or exc}") from exc
     except BaseException:
-        DiskStorage._unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
 
 
@@ -483,13 +491,6 @@ class DiskStorage:
         _write_file_atomic(self.directory, name, pieces)
         self._dir_dirty = False
 
-    @staticmethod
-    def _unlink_quietly(path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -685,7 +686,7 @@ class DiskStorage:
         segments = self._segments
         while len(segments) > 1 and segments[1].first <= trans_id + 1:
             seg = segments.pop(0)  # every record in it is at or below trans_id
-            self._unlink_quietly(seg.path)
+            unlink_quietly(seg.path)
             self._dir_dirty = True
         self._base = trans_id
         self._sync_dir()
@@ -715,13 +716,13 @@ class DiskStorage:
         if not os.path.exists(path):
             raise StorageError(path, None, "adopted snapshot file is missing")
         if trans_id < self._base or trans_id >= self._next_trans_id:
-            self._unlink_quietly(path)
+            unlink_quietly(path)
             return False
         self._remove_snapshots_but(trans_id)
         segments = self._segments
         while len(segments) > 1 and segments[1].first <= trans_id + 1:
             seg = segments.pop(0)
-            self._unlink_quietly(seg.path)
+            unlink_quietly(seg.path)
             self._dir_dirty = True
         self._base = trans_id
         self._sync_dir()
@@ -747,7 +748,7 @@ class DiskStorage:
         for other in os.listdir(self.directory):
             m = _SNAPSHOT_RE.match(other)
             if m and int(m[1]) != trans_id:
-                self._unlink_quietly(self._path(other))
+                unlink_quietly(self._path(other))
                 self._dir_dirty = True
 
     def _restart_log_after(self, trans_id: int) -> None:
@@ -755,7 +756,7 @@ class DiskStorage:
             os.close(self._fd)
             self._fd = -1
         for seg in self._segments:
-            self._unlink_quietly(seg.path)
+            unlink_quietly(seg.path)
         self._segments = []
         self._offsets = array("Q")
         self._dirty = False
