@@ -274,8 +274,31 @@ class Cluster:
     def cpu_seconds(self) -> float:
         return sum(n.cpu_seconds() for n in self.nodes.values() if n.alive)
 
+    async def storage_counts(self) -> dict[int, tuple[int, int]]:
+        """Per live node: (records written, fsyncs) from monitor's storage info."""
+        live = [i for i, n in self.nodes.items() if n.alive]
+        answers = await asyncio.gather(*(ask(self.client_ports[i], {"action": 104})
+                                         for i in live))
+        out = {}
+        for i, a in zip(live, answers):
+            st = (a or {}).get("storage")
+            if isinstance(st, dict):
+                out[i] = (st.get("records_written", 0), st.get("fsyncs", 0))
+        return out
+
     async def stop_all(self) -> None:
         await asyncio.gather(*(n.stop() for n in self.nodes.values()))
+
+
+def _per_fsync(before: dict, after: dict, master: int) -> str:
+    """', records per fsync: master M, slaves S' over one run (empty without fsyncs)."""
+    parts = []
+    for who, ids in (("master", [master]), ("slaves", [i for i in after if i != master])):
+        recs = sum(after[i][0] - before.get(i, (0, 0))[0] for i in ids if i in after)
+        syncs = sum(after[i][1] - before.get(i, (0, 0))[1] for i in ids if i in after)
+        if syncs:
+            parts.append(f"{who} {recs / syncs:.1f}")
+    return ", records/fsync " + ", ".join(parts) if parts else ""
 
 
 # -- client side -----------------------------------------------------------
@@ -595,6 +618,7 @@ async def part_throughput(args: argparse.Namespace, root: str, report: Report) -
                 c = clusters[p]
                 master = c.nodes[masters[p]]
                 m0, c0 = master.cpu_seconds(), c.cpu_seconds()
+                s0 = await c.storage_counts()
                 try:
                     res = await loadgen.run_load("127.0.0.1", master.port, proto="tcp",
                                                  mode="produce", concurrency=args.concurrency,
@@ -603,13 +627,15 @@ async def part_throughput(args: argparse.Namespace, root: str, report: Report) -
                     print(f"  fsync={p:6} run {i + 1}: failed: {type(exc).__name__}: {exc}")
                     continue
                 n = max(res.requests, 1)
+                s1 = await c.storage_counts()
                 cpu[p].append(((master.cpu_seconds() - m0) / n * 1e6,
                                (c.cpu_seconds() - c0) / n * 1e6))
                 results[p].append(res)
                 print(f"  fsync={p:6} run {i + 1}/{args.repeat}: {res.throughput:>8,.0f} req/s  "
                       f"p50 {res.p50_ms:.3f} ms  p99 {res.p99_ms:.3f} ms  max {res.max_ms:.1f} ms  "
                       f"errors {res.errors}  cpu/req master {cpu[p][-1][0]:.0f} us, "
-                      f"cluster {cpu[p][-1][1]:.0f} us", flush=True)
+                      f"cluster {cpu[p][-1][1]:.0f} us{_per_fsync(s0, s1, masters[p])}",
+                      flush=True)
     except (DidNotFinish, OSError) as exc:
         print(f"  {type(exc).__name__}: {exc}")
     finally:

@@ -198,7 +198,9 @@ class ClusterEngine:
             async_mode=config.mode.value == "async", sync_rate=config.sync_rate,
             log_size=config.log_size, vote_id=vote[0], voted_for=vote[1],
             external_snapshots=True,
-            deferred_sync=storage is not None and config.fsync.value == "always")
+            # async mode answers a write once it is on our disk: no deferral
+            deferred_sync=(storage is not None and config.fsync.value == "always"
+                           and config.mode.value != "async"))
         self.net: PeerNetwork | None = None
         if peers:
             me = next(p for p in config.peers if p.node_id == config.node_id)
@@ -272,6 +274,14 @@ class ClusterEngine:
         info["writing"] = self._snap_child is not None
         info["streaming_to"] = sorted(self._outgoing)
         return info
+
+    def storage_info(self) -> dict | None:
+        """What monitor shows about the log on disk (None without storage)."""
+        storage = self.storage
+        if storage is None:
+            return None
+        return {"fsync": self.config.fsync.value, "records_written": storage.records_written,
+                "fsyncs": storage.syncs}
 
     def propose(self, entry: Entry, done: Done) -> None:
         self.core.propose(entry, done)
@@ -452,7 +462,12 @@ class ClusterEngine:
             policy = self.config.fsync.value
             if policy == "always":
                 if self.core.deferred_sync and self.core.is_master:
-                    self._start_sync()  # our records went out already; we count them later
+                    # Our records went out already; we count them once synced.
+                    if self.core.own_sync_urgent(now_ms()):
+                        self._start_sync()
+                    elif self._batch_timer is None:  # the slaves make the majority
+                        self._batch_timer = self._loop.call_later(
+                            BATCH_SYNC_MS / 1000, self._batch_sync)
                 else:
                     # A slave's answers vouch for its records: sync before
                     # they go. (Deferring this too, holding the answers
@@ -498,9 +513,11 @@ class ClusterEngine:
                 raise error
             if epoch == self._sync_epoch:
                 self.core.synced_to(covered)
-            if self._sync_again or (self.storage.dirty and self.core.deferred_sync):
+            if self._sync_again or (self.storage.dirty and self.core.own_sync_urgent(now_ms())):
                 self._sync_again = False
                 self._start_sync()
+            elif self.storage.dirty and self._batch_timer is None:
+                self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
         except StorageError as exc:
             self._fail(exc)
             return

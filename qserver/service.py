@@ -305,6 +305,9 @@ class Service:
             info["slaves"] = self.engine.slaves()
         if hasattr(self.engine, "snapshot_info"):
             info["snapshot"] = self.engine.snapshot_info()
+        storage = self.engine.storage_info() if hasattr(self.engine, "storage_info") else None
+        if storage is not None:
+            info["storage"] = storage
         return info
 
     def _monitor(self, obj: dict, req: MonitorRequest, now_ms: int) -> dict:

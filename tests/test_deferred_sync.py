@@ -98,3 +98,49 @@ def test_the_master_synced_and_one_slave_commit():
     m.synced_to(2)
     run_answers(m.take_ready())
     assert answers == [("a", None)]
+
+
+def test_a_lone_master_needs_its_own_fsync_at_once():
+    c = core(1, [1], deferred=True)
+    c.tick(NOW)
+    produce(c, "a", [])
+    c.take_ready()
+    assert c.own_sync_urgent(NOW)
+    c.synced_to(c.log.last_trans_id)
+    assert not c.own_sync_urgent(NOW)  # nothing left to sync
+
+
+def test_the_master_fsync_may_wait_only_while_both_slaves_keep_up():
+    m = elected_master_of_three()
+    m.take_ready()
+    assert m.own_sync_urgent(NOW)  # no slave has answered yet
+    last = m.log.last_trans_id
+    ack(m, 2, last)
+    assert m.own_sync_urgent(NOW)  # one slave is not a majority without us
+    ack(m, 3, last)
+    produce(m, "a", [])
+    m.take_ready()  # pushed to both
+    assert not m.own_sync_urgent(NOW)  # the two slaves can make the majority
+    later = NOW + 2 * m.timing.heartbeat_ms + 1
+    assert m.own_sync_urgent(later)  # they stopped answering: we count again
+
+
+def test_a_slave_being_caught_up_does_not_count_as_keeping_up():
+    m = elected_master_of_three()
+    m.take_ready()
+    last = m.log.last_trans_id
+    ack(m, 2, last)
+    ack(m, 3, last)
+    m.peers[3].sent_upto = last - 1  # e.g. a snapshot stream or pull in progress
+    produce(m, "a", [])
+    m.take_ready()
+    m.peers[3].sent_upto = last - 1
+    assert m.own_sync_urgent(NOW)
+
+
+def test_without_deferral_nothing_is_urgent():
+    c = core(1, [1], deferred=False)
+    c.tick(NOW)
+    produce(c, "a", [])
+    c.take_ready()
+    assert not c.own_sync_urgent(NOW)

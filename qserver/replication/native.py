@@ -242,6 +242,23 @@ class NativeCore:
             self.durable_id = min(trans_id, self.log.last_trans_id)
             self._maybe_commit()
 
+    def own_sync_urgent(self, now_ms: int) -> bool:
+        """Deferred sync, as master: must our own fsync start now, or can
+        the slaves alone make a majority for what we just sent? They can
+        when at least `quorum` of them keep up: everything was pushed to
+        them, and each has answered a push of this epoch (match_id > 0)
+        and answered us within two heartbeats. Then our own fsync may wait
+        (the adapter runs it within a few milliseconds); it still counts
+        once done, so a slave that stops answering delays commits by that
+        much at most."""
+        if not self.deferred_sync or self.durable_id >= self.log.last_trans_id:
+            return False
+        horizon = now_ms - 2 * self.timing.heartbeat_ms
+        last = self.log.last_trans_id
+        keeping_up = sum(1 for p in self.peers.values()
+                         if p.sent_upto >= last and p.match_id > 0 and p.acked_ms >= horizon)
+        return keeping_up < self.quorum
+
     def snapshot_taken(self, trans_id: int, vote_id: int) -> None:
         """A snapshot at trans_id is on disk: the log may be compacted up to
         it, and slaves behind the log get it."""

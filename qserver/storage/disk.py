@@ -228,6 +228,8 @@ class DiskStorage:
         self._base = 0  # trans_id of the newest snapshot (0: none)
         self._dirty = False  # the last segment has writes not yet fsynced
         self._appends = 0  # append() calls so far: tells a background sync what it covered
+        self.records_written = 0  # records appended since the node started
+        self.syncs = 0  # fsyncs of the log's records so far (monitor shows it)
         self._dir_dirty = False  # files were created or removed since the last fsync of the dir
         self._recovered = False
         self._failed: StorageError | None = None  # set by a failed write: refuse all work
@@ -544,6 +546,7 @@ class DiskStorage:
         seg.size += size
         self._dirty = True
         self._appends += 1
+        self.records_written += len(frames)
 
     def _roll(self, first: int) -> _Segment:
         """Close the current segment (fsynced: every segment but the last is
@@ -581,6 +584,7 @@ class DiskStorage:
                 os.fsync(self._fd)
             except OSError as exc:
                 raise self._fail(seg.path, None, "fsync", exc) from exc
+            self.syncs += 1
         self._dirty = False
         self._sync_dir()
 
@@ -612,6 +616,7 @@ class DiskStorage:
         if error is not None:
             path = self._segments[-1].path if self._segments else self.directory
             raise self._fail(path, None, "fsync", error)
+        self.syncs += 1
         if self._appends == mark:
             self._dirty = False
 
