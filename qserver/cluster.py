@@ -77,6 +77,7 @@ from .replication.messages import (
 from .replication.native import NativeCore, Timing
 from .storage import (
     DiskStorage,
+    KernelSync,
     StorageError,
     decode_snapshot,
     snapshot_file_name,
@@ -158,9 +159,10 @@ class _Incoming:
 
 
 def _fsync_and_close(fd: int) -> None:
-    """In the fsync thread: make a duplicated segment descriptor durable."""
+    """In the fsync thread: make a duplicated segment descriptor durable
+    (fdatasync: the segment's file is allocated ahead, see storage.disk)."""
     try:
-        os.fsync(fd)
+        os.fdatasync(fd)
     finally:
         os.close(fd)
 
@@ -220,9 +222,13 @@ class ClusterEngine:
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: Callable[[BaseException], None] | None = None
-        # fsync in a worker thread: one at a time; `_sync_again` asks for
+        # fsync off the event loop, one at a time: handed to the kernel
+        # (KernelSync) or else to a worker thread. `_sync_again` asks for
         # another when it ends; truncations and installs bump the epoch, so
         # that a sync begun before one does not vouch for records after it.
+        self._kernel_sync: KernelSync | None = None
+        self._kernel_syncs: dict[int, tuple[int, int, int, int]] = {}  # token: fd, covered, mark, epoch
+        self._next_sync_token = 1
         self._sync_pool: ThreadPoolExecutor | None = None
         self._sync_busy = False
         self._sync_again = False
@@ -307,6 +313,10 @@ class ClusterEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.storage is not None and self.config.fsync.value != "off":
+            self._kernel_sync = KernelSync.create()
+            if self._kernel_sync is not None:
+                self._loop.add_reader(self._kernel_sync.fileno(), self._kernel_sync_done)
         if self.net is not None:
             await self.net.start()
             log.info("node %d: cluster of %d, internal port %s, mode %s", self.config.node_id,
@@ -325,6 +335,12 @@ class ClusterEngine:
             await self.net.close()
         if self._sync_pool is not None:
             self._sync_pool.shutdown(wait=True)
+        if self._kernel_sync is not None:
+            self._loop.remove_reader(self._kernel_sync.fileno())
+            self._kernel_sync.close()  # waits for a sync in flight
+            for fd, *_ in self._kernel_syncs.values():
+                os.close(fd)
+            self._kernel_syncs.clear()
         if self.storage is not None and not self._failed:
             self.storage.close()
         elif self.storage is not None:
@@ -496,21 +512,53 @@ class ClusterEngine:
             self.core.synced_to(self.storage.next_trans_id - 1)
             return
         fd, covered, mark = handle
+        self._sync_busy = True
+        if self._kernel_sync is not None:
+            token = self._next_sync_token
+            self._next_sync_token += 1
+            try:
+                self._kernel_sync.submit(fd, token)
+            except OSError as exc:  # e.g. EINVAL: this file system will not; use the thread
+                log.info("node %d: kernel fsync refused (%s); fsync runs in a thread",
+                         self.config.node_id, exc.strerror or exc)
+                self._loop.remove_reader(self._kernel_sync.fileno())
+                self._kernel_sync.close()
+                self._kernel_sync = None
+            else:
+                self._kernel_syncs[token] = (fd, covered, mark, self._sync_epoch)
+                return
         if self._sync_pool is None:
             self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qserver-fsync")
-        self._sync_busy = True
         future = self._loop.run_in_executor(self._sync_pool, _fsync_and_close, fd)
-        future.add_done_callback(partial(self._sync_done, covered, mark, self._sync_epoch))
+        future.add_done_callback(partial(self._thread_sync_done, covered, mark, self._sync_epoch))
 
-    def _sync_done(self, covered: int, mark: int, epoch: int, future: asyncio.Future) -> None:
+    def _kernel_sync_done(self) -> None:
+        try:
+            finished = self._kernel_sync.reap()
+        except OSError as exc:
+            self._fail(StorageError(self.storage.directory, None, f"fsync failed: {exc}"))
+            return
+        for token, res in finished:
+            fd, covered, mark, epoch = self._kernel_syncs.pop(token)
+            os.close(fd)
+            error = OSError(-res, os.strerror(-res)) if res < 0 else None
+            self._sync_finished(covered, mark, epoch, error)
+
+    def _thread_sync_done(self, covered: int, mark: int, epoch: int,
+                          future: asyncio.Future) -> None:
+        error = future.exception()
+        if error is not None and not isinstance(error, OSError):
+            self._sync_busy = False
+            self._fail(error)  # our bug, but the sync's outcome is unknown
+            return
+        self._sync_finished(covered, mark, epoch, error)
+
+    def _sync_finished(self, covered: int, mark: int, epoch: int, error: OSError | None) -> None:
         self._sync_busy = False
         if self._failed or self.storage is None:
             return
-        error = future.exception()
         try:
-            self.storage.end_sync(mark, error if isinstance(error, OSError) else None)
-            if error is not None and not isinstance(error, OSError):
-                raise error
+            self.storage.end_sync(mark, error)
             if epoch == self._sync_epoch:
                 self.core.synced_to(covered)
             if self._sync_again or (self.storage.dirty and self.core.own_sync_urgent(now_ms())):

@@ -112,10 +112,20 @@ def write_log(path, n=10, segment_bytes=1 << 20) -> Path:
     return segment_files(path)[-1]
 
 
+def assert_only_records(seg: Path) -> None:
+    """The file holds valid records, then at most zeros (space allocated
+    ahead): nothing cut away is left behind them."""
+    data = seg.read_bytes()
+    result = fmt.scan(data)
+    assert result.problem is None or data.count(0, result.good_end_offset) == \
+        len(data) - result.good_end_offset, result.problem
+
+
 FRAME_END_9 = sum(len(fmt.encode_record(r)) for r in recs(1, 9))
 
 
-@pytest.mark.parametrize("damage", ["mid_payload", "partial_header", "garbage", "zeros"])
+@pytest.mark.parametrize("damage", ["mid_payload", "partial_header", "garbage",
+                                    "half_zeroed_frame"])
 def test_torn_tail_is_cut_reported_and_appending_goes_on(tmp_path, damage):
     seg = write_log(tmp_path, n=10)
     data = seg.read_bytes()
@@ -123,14 +133,14 @@ def test_torn_tail_is_cut_reported_and_appending_goes_on(tmp_path, damage):
         seg.write_bytes(data[:-5])  # record 10 loses its last bytes
         expect, cut_at = recs(1, 9), FRAME_END_9
     elif damage == "partial_header":
-        seg.write_bytes(data[:FRAME_END_9 + 3])
+        seg.write_bytes(data[:FRAME_END_9 + 6])  # the length and half the crc
         expect, cut_at = recs(1, 9), FRAME_END_9
     elif damage == "garbage":
         seg.write_bytes(data + bytes(random.Random(1).randrange(256) for _ in range(37)))
         expect, cut_at = recs(1, 10), len(data)
-    else:
-        seg.write_bytes(data + bytes(4096))  # a zero-filled tail after a crash
-        expect, cut_at = recs(1, 10), len(data)
+    else:  # record 10's first page reached the disk, its last bytes did not
+        seg.write_bytes(data[:-5] + bytes(4096))
+        expect, cut_at = recs(1, 9), FRAME_END_9
     storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
     assert got.records == expect
     assert len(got.reports) == 1
@@ -142,6 +152,49 @@ def test_torn_tail_is_cut_reported_and_appending_goes_on(tmp_path, damage):
     _, got = open_dir(tmp_path, segment_bytes=1 << 20)
     assert got.records == expect + recs(n + 1, n + 5, vote_id=2)
     assert got.reports == []
+
+
+def test_space_allocated_ahead_is_no_damage(tmp_path):
+    """The current segment's file holds zeros after its records (allocated
+    ahead, or after a crash never written): recovery keeps every record,
+    reports nothing, and the next records go right after the last."""
+    seg = write_log(tmp_path, n=10)
+    data = seg.read_bytes()
+    seg.write_bytes(data + bytes(100_000))
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, 10) and got.reports == []
+    storage.append(recs(11, 12, vote_id=2))
+    storage.sync()
+    storage.abandon()  # a crash: the zeros after record 12 stay
+    assert seg.stat().st_size >= len(data) + 100_000
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, 10) + recs(11, 12, vote_id=2) and got.reports == []
+    storage.close()  # an orderly close trims the file to its records
+    assert seg.read_bytes() == b"".join(fmt.encode_record(r) for r in got.records)
+
+
+def test_the_current_segment_is_allocated_ahead_and_trimmed_when_done(tmp_path):
+    storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
+    storage.append(recs(1, 3))
+    storage.sync()
+    seg = segment_files(tmp_path)[-1]
+    written = sum(len(fmt.encode_record(r)) for r in recs(1, 3))
+    assert seg.stat().st_size == 1 << 20  # min(PREALLOCATE_BYTES, segment_bytes) ahead
+    assert seg.read_bytes()[written:].count(0) == (1 << 20) - written
+    storage.close()
+    assert seg.stat().st_size == written
+
+
+def test_zeros_before_valid_records_are_corruption(tmp_path):
+    seg = write_log(tmp_path, n=10)
+    data = bytearray(seg.read_bytes())
+    start = sum(len(fmt.encode_record(r)) for r in recs(1, 4))
+    end = sum(len(fmt.encode_record(r)) for r in recs(1, 5))
+    data[start:end] = bytes(end - start)  # record 5 lost: a hole, not the end
+    seg.write_bytes(bytes(data))
+    with pytest.raises(StorageError) as info:
+        open_dir(tmp_path)
+    assert info.value.offset == start
 
 
 def test_corrupt_last_frame_is_a_torn_tail(tmp_path):
@@ -222,7 +275,7 @@ def test_segments_roll_and_are_named_by_first_trans_id(tmp_path):
     for t in range(1, 101):
         storage.append([rec(t)])
     storage.append(recs(101, 150))  # one call spanning several segments
-    storage.sync()
+    storage.close()  # trims the last segment's space allocated ahead
     files = segment_files(tmp_path)
     assert len(files) > 10
     for f in files:
@@ -230,7 +283,6 @@ def test_segments_roll_and_are_named_by_first_trans_id(tmp_path):
         assert result.problem is None
         assert f.name == f"log-{result.records[0].trans_id:020d}.seg"
         assert f.stat().st_size <= SMALL or len(result.records) == 1
-    storage.close()
     assert open_dir(tmp_path)[1].records == recs(1, 150)
 
 
@@ -258,7 +310,7 @@ def test_truncate_after_across_segments(tmp_path, cut):
     assert got.records == recs(1, kept) + recs(kept + 1, kept + 10, vote_id=2)
     assert got.reports == []
     for f in segment_files(tmp_path):
-        assert fmt.scan(f.read_bytes()).problem is None
+        assert_only_records(f)
 
 
 def test_truncate_at_a_segment_boundary(tmp_path):

@@ -254,7 +254,7 @@ class NativeCore:
         if not self.deferred_sync or self.durable_id >= self.log.last_trans_id:
             return False
         horizon = now_ms - 2 * self.timing.heartbeat_ms
-        last = self.log.last_trans_id
+        last = self.log.last_trans_id  # take_ready pushed everything up to it
         keeping_up = sum(1 for p in self.peers.values()
                          if p.sent_upto >= last and p.match_id > 0 and p.acked_ms >= horizon)
         return keeping_up < self.quorum

