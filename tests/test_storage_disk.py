@@ -17,6 +17,7 @@ from qserver.entries import Consume, Noop, Produce, Record
 from qserver.errors import InvariantError, QServerError
 from qserver.storage import DiskStorage, StorageError
 from qserver.storage import format as fmt
+from qserver.storage.disk import PREALLOCATE_BYTES
 
 SMALL = 400  # segment_bytes for tests: a few records per segment
 
@@ -173,16 +174,20 @@ def test_space_allocated_ahead_is_no_damage(tmp_path):
     assert seg.read_bytes() == b"".join(fmt.encode_record(r) for r in got.records)
 
 
-def test_the_current_segment_is_allocated_ahead_and_trimmed_when_done(tmp_path):
+def test_the_current_segment_is_zero_filled_ahead_and_trimmed_when_done(tmp_path):
     storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
     storage.append(recs(1, 3))
     storage.sync()
     seg = segment_files(tmp_path)[-1]
     written = sum(len(fmt.encode_record(r)) for r in recs(1, 3))
-    assert seg.stat().st_size == 1 << 20  # min(PREALLOCATE_BYTES, segment_bytes) ahead
-    assert seg.read_bytes()[written:].count(0) == (1 << 20) - written
+    ahead = min(PREALLOCATE_BYTES, 1 << 20)
+    assert seg.stat().st_size == written + ahead
+    assert seg.read_bytes()[written:] == bytes(ahead)
+    size = seg.stat().st_size
+    storage.append(recs(4, 6))  # written over the zeros: the file does not grow
+    assert seg.stat().st_size == size
     storage.close()
-    assert seg.stat().st_size == written
+    assert seg.stat().st_size == sum(len(fmt.encode_record(r)) for r in recs(1, 6))
 
 
 def test_zeros_before_valid_records_are_corruption(tmp_path):
