@@ -26,7 +26,10 @@ Parts
   off). "cpu x off" is off's CPU per request (three nodes) over the
   policy's: steadier than throughput on a busy machine, it is the ratio
   the throughputs would have if CPU were all that limited them (time spent
-  waiting for fsync is not CPU, so for `always` it flatters).
+  waiting for fsync is not CPU, and the kernel's own work for a sync handed
+  to it with Linux AIO is not the node's, so for `always` it flatters).
+  Each run also prints the records per fsync of the master and of the
+  slaves (monitor's `storage` counters): how well syncs are grouped.
 - restart (b) and memory (c): one node with storage (--restart-fsync)
   filled with --messages messages of --message-bytes bytes in one queue,
   pipelined over TCP (--fill-connections connections, each keeping

@@ -83,7 +83,7 @@ class KernelSync:
         except (OSError, AttributeError):
             return None
         ctx = ctypes.c_ulong(0)
-        if libc.syscall(ctypes.c_long(numbers["io_setup"]), ctypes.c_uint(max_in_flight),
+        if libc.syscall(ctypes.c_long(numbers["io_setup"]), ctypes.c_long(max_in_flight),
                         ctypes.byref(ctx)) != 0:
             log.info("storage: no kernel AIO (io_setup: %s); fsync runs in a thread",
                      os.strerror(ctypes.get_errno()))
