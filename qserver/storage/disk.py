@@ -431,7 +431,7 @@ class DiskStorage:
             raise StorageError(path, 0, f"vote unreadable: {exc}") from None
 
     def _recover_log(self, segment_ids: list[int], report: Any
-                     ) -> tuple[list[Record], list[_Segment], bytes]:
+                     ) -> tuple[list[Record], list[_Segment], bytes | memoryview]:
         records: list[Record] = []
         segments: list[_Segment] = []
         last_buf = b""
@@ -469,7 +469,7 @@ class DiskStorage:
                 continue
             records.extend(result.records)
             segments.append(_Segment(first, path, good_end, allocated))
-            last_buf = buf if good_end == len(buf) else buf[:good_end]
+            last_buf = buf if good_end == len(buf) else memoryview(buf)[:good_end]  # no copy
         return records, segments, last_buf
 
     def _cut(self, path: str, size: int) -> None:
