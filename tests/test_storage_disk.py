@@ -612,3 +612,43 @@ def test_random_schedules_recover_the_synced_prefix(tmp_path, schedule):
         assert (got.snapshot[0] if got.snapshot else 0) == model.base
         assert got.records == model.log[model.base:]
         storage.close()
+
+
+def test_a_page_that_never_reached_the_disk_is_a_torn_tail(tmp_path):
+    """Records written over the zeros ahead reach the disk page by page, in
+    any order, until a sync; after a power loss a page of zeros can lie
+    between records that did. Everything from the first damaged record on
+    came after the last sync: it is cut and reported, not taken for
+    corruption."""
+    storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
+    storage.append(recs(1, 10))
+    storage.sync()
+    storage.append(recs(11, 800))  # several pages, never synced
+    storage.abandon()
+    seg = segment_files(tmp_path)[-1]
+    data = bytearray(seg.read_bytes())
+    synced = sum(len(fmt.encode_record(r)) for r in recs(1, 10))
+    page = (synced // 4096 + 1) * 4096  # the first page after the synced records
+    data[page:page + 4096] = bytes(4096)  # it never arrived; later pages did
+    seg.write_bytes(bytes(data))
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    kept = len(got.records)
+    assert 10 <= kept < 800 and got.records == recs(1, kept)
+    assert len(got.reports) == 1 and "out of order" in got.reports[0]
+    storage.append(recs(kept + 1, kept + 3, vote_id=2))  # the log goes on after the cut
+    storage.close()
+    _, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, kept) + recs(kept + 1, kept + 3, vote_id=2)
+
+
+def test_a_page_of_zeros_before_records_in_an_older_segment_is_corruption(tmp_path):
+    storage, _ = open_dir(tmp_path, segment_bytes=8192)
+    storage.append(recs(1, 400))
+    storage.close()
+    first = segment_files(tmp_path)[0]
+    data = bytearray(first.read_bytes())
+    assert len(data) > 4096 + 1024
+    data[4096:4096 + 512] = bytes(512)  # older segments were synced whole when the log rolled
+    first.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="before valid records"):
+        open_dir(tmp_path, segment_bytes=8192)

@@ -50,9 +50,13 @@ rolls past it and at close.
 Recovery: the newest valid snapshot plus the log after it.
 - A problem (torn or corrupt frame) in the newest segment with no valid
   record after it is a torn tail: it is cut off (durably) and reported with
-  the file and offset. Any other problem (a bad frame followed by valid ones,
-  a bad frame in an older segment, a gap between segments or between the
-  snapshot and the log) raises `StorageError` naming the file and offset.
+  the file and offset. So is one in the newest segment whose damage holds a
+  sector-aligned run of 512 zero bytes before valid records: the records
+  written since the last sync reached the disk page by page, out of order,
+  and one never arrived (a power loss; see `_zero_sector`). Any other
+  problem (a bad frame followed by valid ones, a bad frame in an older
+  segment, a gap between segments or between the snapshot and the log)
+  raises `StorageError` naming the file and offset.
 - A snapshot that does not decode is set aside (renamed `*.corrupt`, and
   reported) and the next older one is used, if the log covers what the
   skipped one held; otherwise `StorageError`.
@@ -182,6 +186,30 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 def _zeros_from(buf: bytes, start: int) -> bool:
     """Whether buf[start:] is all zero bytes (preallocated, never written)."""
     return buf.count(0, start) == len(buf) - start
+
+
+# The smallest unit a disk writes whole. Records written over the zeros
+# ahead reach the disk page by page, in any order, until a sync: after a
+# power loss, a sector of zeros can lie between records that did arrive.
+_SECTOR_BYTES = 512
+_ZERO_SECTOR = bytes(_SECTOR_BYTES)
+
+
+def _zero_sector(buf: bytes, start: int, end: int) -> int | None:
+    """The offset of the first sector-aligned run of _SECTOR_BYTES zeros
+    in buf[start:end] (its first sector may begin before `start`), or None.
+
+    A damaged record followed by valid ones is corruption, except where the
+    damage holds such a sector in the newest segment: that is a write that
+    never reached the disk, so everything from the damaged record on was
+    written after the last sync that finished (etcd's WAL reads a torn
+    write the same way). Cost: O(end - start)."""
+    offset = start - start % _SECTOR_BYTES
+    while offset + _SECTOR_BYTES <= end:
+        if buf[offset:offset + _SECTOR_BYTES] == _ZERO_SECTOR:
+            return offset
+        offset += _SECTOR_BYTES
+    return None
 
 
 def _read_file(path: str, size: int = -1) -> bytes:
@@ -452,7 +480,10 @@ class DiskStorage:
             elif problem is not None:
                 after = result.records[-1].trans_id if result.records else first - 1
                 later = resync(buf, problem.offset + 1, after_trans_id=after)
-                if later is not None:
+                hole = None
+                if later is not None and is_last:
+                    hole = _zero_sector(buf, problem.offset, later)
+                if later is not None and hole is None:
                     raise StorageError(path, problem.offset, f"{problem.kind} record "
                                        f"({problem.reason}) before valid records "
                                        f"(at offset {later})")
@@ -460,8 +491,13 @@ class DiskStorage:
                     raise StorageError(path, problem.offset, f"{problem.kind} record "
                                        f"({problem.reason}) in a segment that is not the last")
                 self._cut(path, good_end)
+                why = f"{problem.kind} record ({problem.reason})"
+                if hole is not None:
+                    why += (f", a sector of zeros at offset {hole} and records again at "
+                            f"offset {later}: writes after the last sync that reached the "
+                            f"disk out of order (a power loss)")
                 report(f"{path}: cut {len(buf) - good_end} bytes at offset {problem.offset}: "
-                       f"{problem.kind} record ({problem.reason})")
+                       f"{why}")
             expect = first + len(result.records)
             if good_end == 0 and is_last:  # holds nothing: start afresh on append
                 os.unlink(path)
