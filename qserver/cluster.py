@@ -116,6 +116,10 @@ SNAPSHOT_STALL_S = 30.0
 # attempt rather than fork in a loop; the log keeps growing meanwhile.
 SNAPSHOT_RETRY_S = 10.0
 
+# At close, how long to wait for a sync in flight before leaving the log as a
+# crash would (a disk that no longer answers).
+CLOSE_SYNC_WAIT_S = 30.0
+
 # Linux prctl(PR_SET_PDEATHSIG): the snapshot child dies with the node.
 _PR_SET_PDEATHSIG = 1
 
@@ -233,6 +237,7 @@ class ClusterEngine:
         self._sync_busy = False
         self._sync_again = False
         self._sync_epoch = 0
+        self._closing = False  # close() began: no new syncs, it waits for the one in flight
         self._failed = False
         # Snapshots: where their files live, the running writer child, streams.
         self._own_snap_dir = storage is None
@@ -333,11 +338,22 @@ class ClusterEngine:
         self._stop_snapshot_work()
         if self.net is not None:
             await self.net.close()
+        # A sync in flight is waited for and its outcome taken as usual: a
+        # failed one must not be followed by storage.close()'s own fsync,
+        # which could report success for pages the kernel dropped.
+        self._closing = True
+        deadline = self._loop.time() + CLOSE_SYNC_WAIT_S
+        while self._sync_busy and not self._failed and self._loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        if self._sync_busy and not self._failed:
+            log.error("node %d: a sync did not finish within %.0f s; leaving the log as a "
+                      "crash would", self.config.node_id, CLOSE_SYNC_WAIT_S)
+            self._failed = True
         if self._sync_pool is not None:
-            self._sync_pool.shutdown(wait=True)
+            self._sync_pool.shutdown(wait=False)
         if self._kernel_sync is not None:
             self._loop.remove_reader(self._kernel_sync.fileno())
-            self._kernel_sync.close()  # waits for a sync in flight
+            self._kernel_sync.close()  # waits for anything still in flight
             for fd, *_ in self._kernel_syncs.values():
                 os.close(fd)
             self._kernel_syncs.clear()
@@ -503,7 +519,9 @@ class ClusterEngine:
                 self._fail(exc)
 
     def _start_sync(self) -> None:
-        """fsync what is written so far in the worker thread (one at a time)."""
+        """fsync what is written so far off the event loop (one at a time)."""
+        if self._closing:
+            return  # storage.close() syncs what is left
         if self._sync_busy:
             self._sync_again = True
             return
@@ -559,6 +577,8 @@ class ClusterEngine:
             return
         try:
             self.storage.end_sync(mark, error)
+            if self._closing:
+                return
             if epoch == self._sync_epoch:
                 self.core.synced_to(covered)
             if self._sync_again or (self.storage.dirty and self.core.own_sync_urgent(now_ms())):

@@ -75,8 +75,8 @@ class KernelSync:
         if os.environ.get("QSERVER_FSYNC_THREAD") == "1":
             return None
         numbers = _SYSCALLS.get(platform.machine())
-        if numbers is None or not hasattr(os, "eventfd"):
-            return None
+        if numbers is None or not hasattr(os, "eventfd") or ctypes.sizeof(ctypes.c_void_p) != 8:
+            return None  # (a 32-bit Python on a 64-bit kernel has other numbers)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.syscall.restype = ctypes.c_long
@@ -88,7 +88,12 @@ class KernelSync:
             log.info("storage: no kernel AIO (io_setup: %s); fsync runs in a thread",
                      os.strerror(ctypes.get_errno()))
             return None
-        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except OSError as exc:
+            libc.syscall(ctypes.c_long(numbers["io_destroy"]), ctx)
+            log.info("storage: no eventfd (%s); fsync runs in a thread", exc.strerror or exc)
+            return None
         return cls(libc, numbers, ctx, efd, max_in_flight)
 
     def fileno(self) -> int:
