@@ -76,6 +76,9 @@ class Lone:
     def __init__(self, tmp_path, monkeypatch, mode: str = "quorum") -> None:
         self.fake = FakeKernelSync()
         monkeypatch.setattr(cluster.KernelSync, "create", staticmethod(lambda *a, **k: self.fake))
+        # A lone node syncs each write at once, never by the batch timer:
+        # with the timer out of reach, a sync the tests wait for proves it.
+        monkeypatch.setattr(cluster, "BATCH_SYNC_MS", 600_000)
         self.data = tmp_path / "data"
         config = parse_xml(
             f'<config><node_info node_id="1" host="127.0.0.1" port="{free_port()}"/>'
