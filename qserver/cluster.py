@@ -13,27 +13,21 @@ commit); with fsync=batch a timer fsyncs every BATCH_SYNC_MS; with off, the
 OS decides. A node configured alone but with storage runs this engine too,
 with no peers: it elects itself at once and commits on its own.
 
-Snapshots: once `log_size` entries have been applied since the newest
-snapshot, the node forks; the child rolls its copy of the store back to
-the last committed entry (a master applies ahead of the commit), writes it
-as a snapshot file (storage.disk.write_snapshot_file) and exits, while the
-node goes on serving: the pause is the fork itself (a few ms per GB of
-state; monitor shows it). The node then adopts the file (old segments and
-snapshots go) and the core may compact its in-memory log up to it. A slave
-behind the master's log gets that file streamed in SNAPSHOT_CHUNK_BYTES
-pieces, a few in flight ahead of its acks, so that no message is large and
-the master's loop never blocks on it; the slave writes the pieces to a
-temporary file, checks the whole (crc), builds its store from it chunk by
-chunk, and installs the file as its own newest snapshot. A node without a
-data directory keeps its snapshot files in a private temporary directory.
+Snapshots (writing our own in a forked child, streaming to a slave,
+receiving from the master) are `snapshot_transfer.SnapshotFiles`; this
+adapter routes their messages and carries out the core's snapshot sends.
 
 fsync off the event loop: with fsync=always a master writes its records,
-sends them to the slaves at once and fsyncs in a worker thread meanwhile,
-counting itself towards a majority only up to what that fsync covered
-(NativeCore.deferred_sync; Raft thesis 10.2.1): its own fsync overlaps the
-slaves', and its loop goes on serving. A slave still fsyncs before it
-answers a push, since its answer counts. With fsync=batch the timed fsync
-runs in the worker thread too. A failed fsync stops the node (`on_fatal`).
+sends them to the slaves at once and syncs off the loop meanwhile, counting
+itself towards a majority only up to what that sync covered
+(NativeCore.deferred_sync; Raft thesis 10.2.1). While its slaves alone can
+make a majority (NativeCore.own_sync_urgent) that sync waits for the batch
+timer; otherwise it starts at once. A slave still fsyncs before it answers
+a push, since its answer counts. With fsync=batch the timed sync runs off
+the loop too. A sync off the loop is handed to the kernel (KernelSync:
+Linux AIO, no thread, no GIL hand-over) or else to a worker thread; one at
+a time. A failed sync stops the node (`on_fatal`); close() waits for one in
+flight and heeds its outcome.
 
 Forwarding: a slave relays a client request to the master as a `Forward`
 message over the internal link and relays the `ForwardReply` back; if the
@@ -44,47 +38,30 @@ if the master does not answer within FORWARD_TIMEOUT_S, "forward timeout".
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
 import os
 import random
-import shutil
-import signal
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from .config import Config
 from .entries import Entry
-from .errors import InvariantError
 from .log import Log
 from .peers import PeerNetwork
 from .replication.base import Done, EngineStatus, LeaderInfo
 from .replication.messages import (
     Forward,
     ForwardReply,
-    Snapshot,
     SnapshotAck,
     SnapshotChunk,
     message_from_peer,
     message_to_wire,
 )
 from .replication.native import NativeCore, Timing
-from .storage import (
-    DiskStorage,
-    KernelSync,
-    StorageError,
-    decode_snapshot,
-    snapshot_file_name,
-    store_wire_iter,
-    unlink_quietly,
-    write_snapshot_file,
-)
+from .snapshot_transfer import SnapshotFiles
+from .storage import DiskStorage, KernelSync, StorageError
 from .store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
@@ -104,18 +81,6 @@ BATCH_SYNC_MS = 5
 DEFAULT_TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)
 
 
-# Snapshot streaming: pieces of this size (far below peers.MAX_FRAME_BYTES,
-# large enough that per-message costs vanish), at most this many in flight
-# ahead of the slave's acks (enough to fill a LAN link, little memory).
-SNAPSHOT_CHUNK_BYTES = 1024 * 1024
-SNAPSHOT_WINDOW_CHUNKS = 4
-# A stream whose slave has acked nothing for this long is dropped; the
-# slave's next pull starts it again from the beginning.
-SNAPSHOT_STALL_S = 30.0
-# After a failed snapshot (fork or write), wait this long before the next
-# attempt rather than fork in a loop; the log keeps growing meanwhile.
-SNAPSHOT_RETRY_S = 10.0
-
 # At close, how long to wait for a sync in flight before leaving the log as a
 # crash would (a disk that no longer answers).
 CLOSE_SYNC_WAIT_S = 30.0
@@ -128,40 +93,6 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class _Outgoing:
-    """A snapshot file being streamed to one slave."""
-
-    __slots__ = ("file", "trans_id", "vote_id", "size", "sent", "acked", "acked_at")
-
-    def __init__(self, file, trans_id: int, vote_id: int, now_s: float) -> None:
-        self.file = file
-        self.trans_id = trans_id
-        self.vote_id = vote_id
-        self.size = os.fstat(file.fileno()).st_size
-        self.sent = 0  # bytes sent (file offset)
-        self.acked = 0  # bytes the slave has stored
-        self.acked_at = now_s  # last progress (monotonic s)
-
-
-class _Incoming:
-    """A snapshot file being received from the master."""
-
-    __slots__ = ("source", "trans_id", "vote_id", "path", "fd", "offset")
-
-    def __init__(self, source: int, trans_id: int, vote_id: int, path: str) -> None:
-        self.source = source
-        self.trans_id = trans_id
-        self.vote_id = vote_id
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.offset = 0
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 def _fsync_and_close(fd: int) -> None:
     """In the fsync thread: make a duplicated segment descriptor durable
     (fdatasync: the segment's file is allocated ahead, see storage.disk)."""
@@ -169,23 +100,6 @@ def _fsync_and_close(fd: int) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
-
-
-def _child_setup() -> None:
-    """In the forked snapshot writer: no collections (they would touch, and
-    so copy, every page of the parent's heap), default signal handling (the
-    parent's handlers write to its wakeup pipe), death with the parent."""
-    gc.disable()
-    try:
-        signal.set_wakeup_fd(-1)
-    except ValueError:
-        pass
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 class ClusterEngine:
@@ -239,18 +153,9 @@ class ClusterEngine:
         self._sync_epoch = 0
         self._closing = False  # close() began: no new syncs, it waits for the one in flight
         self._failed = False
-        # Snapshots: where their files live, the running writer child, streams.
-        self._own_snap_dir = storage is None
-        self._snap_dir = (tempfile.mkdtemp(prefix="qserver-snap-") if storage is None
-                          else storage.directory)
-        self._snap_child: tuple[int, int, int, int, float] | None = None  # pid, fd, t, v, start
-        self._snap_retry_at = 0.0
-        self._outgoing: dict[int, _Outgoing] = {}
-        self._incoming: _Incoming | None = None
-        self._installing: tuple[str, int] | None = None  # a received file, until installed
-        self.snapshot_stats = {"taken": 0, "failed": 0,
-                               "last_pause_ms": None, "max_pause_ms": None, "last_write_ms": None,
-                               "sent": 0, "installed": 0}
+        self.snapshots = SnapshotFiles(
+            core=self.core, storage=storage, node_id=config.node_id, log_size=config.log_size,
+            send=self._send_to, step=self._step_now, schedule_flush=self._schedule_flush)
 
     # -- Engine interface ----------------------------------------------------
 
@@ -280,11 +185,7 @@ class ClusterEngine:
 
     def snapshot_info(self) -> dict:
         """What monitor shows about snapshots (pauses in ms, as measured)."""
-        info = dict(self.snapshot_stats)
-        info["snapshot_id"] = self.core.snapshot_id
-        info["writing"] = self._snap_child is not None
-        info["streaming_to"] = sorted(self._outgoing)
-        return info
+        return self.snapshots.info()
 
     def storage_info(self) -> dict | None:
         """What monitor shows about the log on disk (None without storage)."""
@@ -318,6 +219,7 @@ class ClusterEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.snapshots.start(self._loop)
         if self.storage is not None and self.config.fsync.value != "off":
             self._kernel_sync = KernelSync.create()
             if self._kernel_sync is not None:
@@ -335,7 +237,7 @@ class ClusterEngine:
             self._batch_timer.cancel()
         for request_id in list(self._forwards):
             self._fail_forward(request_id, "node shutting down")
-        self._stop_snapshot_work()
+        self.snapshots.stop()
         if self.net is not None:
             await self.net.close()
         # A sync in flight is waited for and its outcome taken as usual: a
@@ -361,8 +263,6 @@ class ClusterEngine:
             self.storage.close()
         elif self.storage is not None:
             self.storage.abandon()
-        if self._own_snap_dir:
-            shutil.rmtree(self._snap_dir, ignore_errors=True)
 
     # -- events ----------------------------------------------------------------
 
@@ -382,13 +282,19 @@ class ClusterEngine:
                 pending[0](msg.response)
             return
         if t is SnapshotChunk:
-            self._receive_chunk(peer_id, msg)
+            self.snapshots.on_chunk(peer_id, msg)
             return
         if t is SnapshotAck:
-            self._snapshot_acked(peer_id, msg)
+            self.snapshots.on_ack(peer_id, msg)
             return
+        self._step_now(msg)
+
+    def _step_now(self, msg: object) -> None:
         self.core.step(msg, now_ms())
         self._schedule_flush()
+
+    def _send_to(self, peer_id: int, msg: object) -> bool:
+        return self.net is not None and self.net.send(peer_id, message_to_wire(msg))
 
     def _on_link(self, peer_id: int, up: bool) -> None:
         if up:
@@ -398,7 +304,7 @@ class ClusterEngine:
             for request_id, (_, _, target) in list(self._forwards.items()):
                 if target == peer_id:
                     self._fail_forward(request_id, "master unreachable; outcome unknown")
-            self._drop_stream(peer_id)
+            self.snapshots.drop_stream(peer_id)
 
     def _serve_forward(self, peer_id: int, msg: Forward) -> None:
         def respond(response: dict) -> None:
@@ -440,17 +346,15 @@ class ClusterEngine:
                 self._fail(exc)
                 return
         elif ready.snapshot is not None:
-            self._keep_installed(ready.snapshot[0])
-        if self._installing is not None:  # received, but the core did not want it
-            unlink_quietly(self._installing[0])
-            self._installing = None
+            self.snapshots.keep_installed(ready.snapshot[0])
+        self.snapshots.discard_unwanted()
         if self.net is not None and ready.messages:
             self._send_all(ready.messages)
         for answer in ready.answers:
             answer()
         for peer_id, trans_id, vote_id in ready.snapshot_sends:
-            self._start_stream(peer_id, trans_id, vote_id)
-        self._maybe_snapshot()
+            self.snapshots.stream(peer_id, trans_id, vote_id)
+        self.snapshots.maybe_write()
         role = self.core.role
         if role is not self._last_role:
             self._last_role = role
@@ -476,12 +380,7 @@ class ClusterEngine:
         if ready.snapshot is not None:
             trans_id, vote_id, state = ready.snapshot
             if isinstance(state, SnapshotLoader):  # received as a file: move it in place
-                path, expected = self._installing
-                if expected != trans_id:
-                    raise InvariantError(f"installing snapshot {trans_id}, received {expected}")
-                storage.install_snapshot_file(path, trans_id)
-                self._installing = None
-                self.snapshot_stats["installed"] += 1
+                self.snapshots.install_into(storage, trans_id)
             else:
                 storage.install_snapshot(trans_id, vote_id, state)
         if ready.truncate_after is not None:
@@ -614,251 +513,3 @@ class ClusterEngine:
         self._timer = None
         self.core.tick(now_ms())
         self._flush()
-
-    # -- snapshots: writing our own --------------------------------------------
-
-    def _maybe_snapshot(self) -> None:
-        """Start a snapshot writer once log_size entries were applied since
-        the newest snapshot (one writer at a time)."""
-        if self._snap_child is not None or self._loop is None:
-            return
-        trans_id, vote_id = self.core.snapshot_point()
-        if trans_id - self.core.snapshot_id < max(1, self.config.log_size):
-            return
-        if time.monotonic() < self._snap_retry_at:
-            return
-        self._fork_snapshot(trans_id, vote_id)
-
-    def _fork_snapshot(self, trans_id: int, vote_id: int) -> None:
-        try:
-            r, w = os.pipe()
-        except OSError as exc:
-            self._snapshot_failed(trans_id, f"pipe: {exc}")
-            return
-        started = time.perf_counter()
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            os.close(r)
-            os.close(w)
-            self._snapshot_failed(trans_id, f"fork: {exc}")
-            return
-        if pid == 0:  # the child: write the state as it is now, then exit
-            status = 1
-            try:
-                os.close(r)
-                _child_setup()
-                self.core.prepare_snapshot(trans_id)
-                write_snapshot_file(self._snap_dir, trans_id, vote_id,
-                                    store_wire_iter(self.core.store))
-                status = 0
-            except BaseException:
-                traceback.print_exc(file=sys.stderr)
-            finally:
-                try:
-                    os.write(w, bytes([status]))
-                finally:
-                    os._exit(status)
-        pause_ms = (time.perf_counter() - started) * 1000
-        os.close(w)
-        stats = self.snapshot_stats
-        stats["last_pause_ms"] = round(pause_ms, 2)
-        stats["max_pause_ms"] = round(max(pause_ms, stats["max_pause_ms"] or 0.0), 2)
-        self._snap_child = (pid, r, trans_id, vote_id, started)
-        self._loop.add_reader(r, self._snapshot_written)
-
-    def _snapshot_written(self) -> None:
-        pid, r, trans_id, vote_id, started = self._snap_child
-        self._snap_child = None
-        self._loop.remove_reader(r)
-        try:
-            status = os.read(r, 1)
-        finally:
-            os.close(r)
-        self._reap(pid)
-        if status != b"\0":
-            self._snapshot_failed(trans_id, "the writer failed (see its traceback above)")
-            return
-        if self.storage is not None:
-            if not self.storage.adopt_snapshot(trans_id):
-                return  # a newer snapshot was installed meanwhile
-        elif not self._keep_only(trans_id):
-            return
-        self.core.snapshot_taken(trans_id, vote_id)
-        stats = self.snapshot_stats
-        stats["taken"] += 1
-        stats["last_write_ms"] = round((time.perf_counter() - started) * 1000, 1)
-        log.info("node %d: snapshot at trans_id %d written in %.0f ms (fork pause %.1f ms)",
-                 self.config.node_id, trans_id, stats["last_write_ms"], stats["last_pause_ms"])
-        self._schedule_flush()  # the core may compact now
-
-    def _reap(self, pid: int) -> None:
-        """Collect the exited writer without blocking: tearing down a large
-        child's address space can take a while after it has reported."""
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not done:
-            self._loop.call_later(0.05, self._reap, pid)
-
-    def _snapshot_failed(self, trans_id: int, why: str) -> None:
-        self.snapshot_stats["failed"] += 1
-        self._snap_retry_at = time.monotonic() + SNAPSHOT_RETRY_S
-        log.error("node %d: snapshot at trans_id %d failed: %s; retrying in %.0f s",
-                  self.config.node_id, trans_id, why, SNAPSHOT_RETRY_S)
-
-    def _keep_only(self, trans_id: int) -> bool:
-        """Without storage: make the snapshot file at trans_id our newest and
-        remove the others, unless a newer one was installed meanwhile (then
-        this one goes). Returns whether it was kept."""
-        keep = snapshot_file_name(trans_id)
-        if trans_id < self.core.snapshot_id:
-            unlink_quietly(os.path.join(self._snap_dir, keep))
-            return False
-        for name in os.listdir(self._snap_dir):
-            if name.startswith("snapshot-") and name != keep:
-                unlink_quietly(os.path.join(self._snap_dir, name))
-        return True
-
-    def _keep_installed(self, trans_id: int) -> None:
-        """Without storage: a received snapshot becomes our newest file."""
-        if self._installing is None:
-            return
-        path, expected = self._installing
-        self._installing = None
-        if expected != trans_id:
-            raise InvariantError(f"installing snapshot {trans_id}, received {expected}")
-        os.replace(path, os.path.join(self._snap_dir, snapshot_file_name(trans_id)))
-        self._keep_only(trans_id)
-        self.snapshot_stats["installed"] += 1
-
-    def _stop_snapshot_work(self) -> None:
-        if self._snap_child is not None:
-            pid, r, *_ = self._snap_child
-            self._snap_child = None
-            self._loop.remove_reader(r)
-            os.close(r)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-        for peer_id in list(self._outgoing):
-            self._drop_stream(peer_id)
-        if self._incoming is not None:
-            self._incoming.close()
-            unlink_quietly(self._incoming.path)
-            self._incoming = None
-
-    # -- snapshots: streaming to a slave ---------------------------------------
-
-    def _start_stream(self, peer_id: int, trans_id: int, vote_id: int) -> None:
-        current = self._outgoing.get(peer_id)
-        if current is not None:
-            if (current.trans_id == trans_id
-                    and time.monotonic() - current.acked_at < SNAPSHOT_STALL_S):
-                return  # under way
-            self._drop_stream(peer_id)
-        path = os.path.join(self._snap_dir, snapshot_file_name(trans_id))
-        try:
-            file = open(path, "rb")  # stays readable if a newer snapshot removes it
-        except OSError as exc:
-            log.error("node %d: cannot send snapshot %s to node %d: %s", self.config.node_id,
-                      path, peer_id, exc)
-            return
-        self._outgoing[peer_id] = _Outgoing(file, trans_id, vote_id, time.monotonic())
-        self.snapshot_stats["sent"] += 1
-        log.info("node %d: streaming snapshot at trans_id %d to node %d", self.config.node_id,
-                 trans_id, peer_id)
-        self._pump(peer_id)
-
-    def _pump(self, peer_id: int) -> None:
-        out = self._outgoing[peer_id]
-        window = SNAPSHOT_WINDOW_CHUNKS * SNAPSHOT_CHUNK_BYTES
-        while out.sent < out.size and out.sent - out.acked < window:
-            data = out.file.read(SNAPSHOT_CHUNK_BYTES)
-            if not data:
-                break
-            msg = SnapshotChunk(vote_id=self.core.vote_id, node_id=self.config.node_id,
-                                trans_id=out.trans_id, log_vote_id=out.vote_id, offset=out.sent,
-                                data=data, last=out.sent + len(data) >= out.size)
-            if not self.net.send(peer_id, message_to_wire(msg)):
-                self._drop_stream(peer_id)
-                return
-            out.sent += len(data)
-
-    def _snapshot_acked(self, peer_id: int, msg: SnapshotAck) -> None:
-        out = self._outgoing.get(peer_id)
-        if out is None or out.trans_id != msg.trans_id or msg.offset <= out.acked:
-            return
-        out.acked = min(msg.offset, out.sent)
-        out.acked_at = time.monotonic()
-        if out.acked >= out.size:
-            self._drop_stream(peer_id)
-        else:
-            self._pump(peer_id)
-
-    def _drop_stream(self, peer_id: int) -> None:
-        out = self._outgoing.pop(peer_id, None)
-        if out is not None:
-            out.file.close()
-
-    # -- snapshots: receiving from the master ----------------------------------
-
-    def _receive_chunk(self, peer_id: int, msg: SnapshotChunk) -> None:
-        inc = self._incoming
-        if msg.offset == 0:
-            if inc is not None:
-                inc.close()
-            path = os.path.join(self._snap_dir, f"incoming-{msg.trans_id:020d}.snap.tmp")
-            try:
-                inc = self._incoming = _Incoming(peer_id, msg.trans_id, msg.log_vote_id, path)
-            except OSError as exc:
-                log.error("node %d: cannot receive snapshot into %s: %s",
-                          self.config.node_id, path, exc)
-                self._incoming = None
-                return
-        elif (inc is None or inc.source != peer_id or inc.trans_id != msg.trans_id
-              or inc.offset != msg.offset):
-            return  # out of step: the master's stream stalls and restarts
-        try:
-            view = memoryview(msg.data)
-            while view:
-                view = view[os.write(inc.fd, view):]
-            if msg.last:
-                os.fsync(inc.fd)
-        except OSError as exc:
-            log.error("node %d: writing %s failed: %s", self.config.node_id, inc.path, exc)
-            inc.close()
-            unlink_quietly(inc.path)
-            self._incoming = None
-            return
-        inc.offset += len(msg.data)
-        self.net.send(peer_id, message_to_wire(SnapshotAck(
-            vote_id=self.core.vote_id, node_id=self.config.node_id, trans_id=inc.trans_id,
-            offset=inc.offset)))
-        if msg.last:
-            inc.close()
-            self._incoming = None
-            self._install_received(msg, inc)
-
-    def _install_received(self, msg: SnapshotChunk, inc: _Incoming) -> None:
-        loader = self.core.store.snapshot_loader()
-        try:
-            with open(inc.path, "rb") as f:
-                trans_id, vote_id, _ = decode_snapshot(iter(lambda: f.read(1 << 20), b""), loader)
-            if (trans_id, vote_id) != (inc.trans_id, inc.vote_id):
-                raise ValueError(f"holds ({trans_id}, {vote_id}), announced "
-                                 f"({inc.trans_id}, {inc.vote_id})")
-        except (OSError, ValueError) as exc:
-            log.error("node %d: received snapshot %s is unusable: %s", self.config.node_id,
-                      inc.path, exc)
-            unlink_quietly(inc.path)
-            return
-        log.info("node %d: received snapshot at trans_id %d (%d bytes) from node %d",
-                 self.config.node_id, trans_id, inc.offset, inc.source)
-        self._installing = (inc.path, trans_id)
-        self.core.step(Snapshot(vote_id=msg.vote_id, node_id=msg.node_id, trans_id=trans_id,
-                                log_vote_id=vote_id, state=loader), now_ms())
-        self._schedule_flush()
