@@ -2,6 +2,7 @@
 of the state machine, the persisted vote (design.md section 3).
 
 `format` holds the byte formats and does no I/O; `disk` does the I/O;
+`recovery` reads a directory back for `DiskStorage.recover()`;
 `kernel_sync` hands fdatasync to the kernel (Linux AIO) for the adapter.
 """
 

@@ -30,7 +30,7 @@ Durability: what survives a crash
 - The node calls `sync()` by its fsync policy (config `fsync`): `always`,
   once per event-loop turn before answering; `batch`, from a timer every few
   ms; `off`, never (the OS writes back when it likes: a power loss loses
-  recent entries, and can leave a tail that stops the node, see below).
+  recent entries, and can leave a tail that stops the node, see `recovery`).
 - Whatever the policy, these are durable when they return: `save_vote` (a
   vote must be on disk before it is granted), `truncate_after` (a truncation
   the disk forgot could splice old records after new ones), snapshots, the
@@ -47,23 +47,10 @@ size, no new blocks). Recovery takes an all-zero rest of a segment for that
 space, not for damage; a segment is trimmed to its records when the log
 rolls past it and at close.
 
-Recovery: the newest valid snapshot plus the log after it.
-- A problem (torn or corrupt frame) in the newest segment with no valid
-  record after it is a torn tail: it is cut off (durably) and reported with
-  the file and offset. So is one in the newest segment whose damage holds a
-  sector-aligned run of 512 zero bytes before valid records: the records
-  written since the last sync reached the disk page by page, out of order,
-  and one never arrived (a power loss; see `_zero_sector`). Any other
-  problem (a bad frame followed by valid ones, a bad frame in an older
-  segment, a gap between segments or between the snapshot and the log)
-  raises `StorageError` naming the file and offset.
-- A snapshot that does not decode is set aside (renamed `*.corrupt`, and
-  reported) and the next older one is used, if the log covers what the
-  skipped one held; otherwise `StorageError`.
-- If the log's record at the snapshot's trans_id has another vote_id, or the
-  log ends before the snapshot, the log is from before an installed
-  snapshot (a crash between installing it and removing the old log): it is
-  removed and reported.
+Recovery (`recover()`): the newest valid snapshot plus the log after it.
+A torn tail of the newest segment is cut; any other damage raises
+`StorageError` naming the file and offset. What is cut, set aside or
+refused, and why, is in `qserver.storage.recovery`, which does the reading.
 
 Not thread-safe: one task of the node owns a DiskStorage.
 """
@@ -76,21 +63,21 @@ import logging
 import os
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..config import Fsync
 from ..entries import Record
-from ..errors import InvariantError, QServerError
-from .format import (
-    decode_snapshot,
-    decode_vote,
-    encode_record,
-    encode_snapshot_chunks,
-    encode_vote,
-    frame_offsets,
-    resync,
-    scan,
+from ..errors import InvariantError
+from .format import encode_record, encode_snapshot_chunks, encode_vote, frame_offsets
+from .recovery import (
+    Segment,
+    StorageError,
+    fit_log_to_snapshot,
+    read_file,
+    read_vote,
+    recover_log,
+    recover_snapshot,
 )
 
 __all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "snapshot_file_name",
@@ -117,33 +104,11 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 PREALLOCATE_BYTES = 1024 * 1024
 _ZEROS = bytes(PREALLOCATE_BYTES)
 
-# Snapshots are read back in blocks of this size.
-_READ_BLOCK = 1024 * 1024
-
 _SEGMENT_RE = re.compile(r"^log-(\d{20})\.seg$")
 _SNAPSHOT_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
 _VOTE = "vote"
 _LOCK = "LOCK"
 _TMP = ".tmp"
-
-
-# -- errors -----------------------------------------------------------------
-
-class StorageError(QServerError):
-    """Raised when a data directory cannot be trusted or written: corruption
-    before the tail of the log, a gap in it, an unreadable vote, a corrupt
-    snapshot that nothing else covers, a failed write or fsync (after which
-    the DiskStorage refuses further work: the node must stop and recover).
-
-    The message names the file and, where it applies, the byte offset.
-    """
-
-    def __init__(self, path: str, offset: int | None, problem: str) -> None:
-        self.path = path
-        self.offset = offset
-        self.problem = problem
-        where = path if offset is None else f"{path}: offset {offset}"
-        super().__init__(f"{where}: {problem}")
 
 
 class Recovered(NamedTuple):
@@ -153,17 +118,6 @@ class Recovered(NamedTuple):
     snapshot: tuple[int, int, list] | None  # (trans_id, vote_id, state) or None
     records: list[Record]  # the log after the snapshot, gap-free
     reports: list[str]  # what was cut, removed or skipped, with file and offset
-
-
-class _Segment:
-    __slots__ = ("first", "path", "size", "allocated")
-
-    def __init__(self, first: int, path: str, size: int, allocated: int | None = None) -> None:
-        self.first = first  # trans_id of its first record (its name)
-        self.path = path
-        self.size = size  # bytes of valid frames (what we wrote or kept)
-        # length of the file: size plus preallocated zeros (current segment)
-        self.allocated = size if allocated is None else allocated
 
 
 # -- small I/O helpers ------------------------------------------------------
@@ -181,46 +135,6 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view = memoryview(data)
         while n < len(view):
             n += os.pwrite(fd, view[n:], offset + n)
-
-
-def _zeros_from(buf: bytes, start: int) -> bool:
-    """Whether buf[start:] is all zero bytes (preallocated, never written)."""
-    return buf.count(0, start) == len(buf) - start
-
-
-# The smallest unit a disk writes whole. Records written over the zeros
-# ahead reach the disk page by page, in any order, until a sync: after a
-# power loss, a sector of zeros can lie between records that did arrive.
-_SECTOR_BYTES = 512
-_ZERO_SECTOR = bytes(_SECTOR_BYTES)
-
-
-def _zero_sector(buf: bytes, start: int, end: int) -> int | None:
-    """The offset of the first sector-aligned run of _SECTOR_BYTES zeros
-    in buf[start:end] (its first sector may begin before `start`), or None.
-
-    A damaged record followed by valid ones is corruption, except where the
-    damage holds such a sector in the newest segment: that is a write that
-    never reached the disk, so everything from the damaged record on was
-    written after the last sync that finished (etcd's WAL reads a torn
-    write the same way). Cost: O(end - start)."""
-    offset = start - start % _SECTOR_BYTES
-    while offset + _SECTOR_BYTES <= end:
-        if buf[offset:offset + _SECTOR_BYTES] == _ZERO_SECTOR:
-            return offset
-        offset += _SECTOR_BYTES
-    return None
-
-
-def _read_file(path: str, size: int = -1) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(size)
-
-
-def _read_blocks(path: str) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while block := f.read(_READ_BLOCK):
-            yield block
 
 
 def unlink_quietly(path: str) -> None:
@@ -285,7 +199,7 @@ class DiskStorage:
         self.directory = os.fspath(directory)
         self.policy = Fsync(fsync)  # when the node calls sync(); see the module doc
         self.segment_bytes = segment_bytes
-        self._segments: list[_Segment] = []  # the log, oldest first; the last is current
+        self._segments: list[Segment] = []  # the log, oldest first; the last is current
         self._fd = -1  # open on the last segment (append only) or -1
         self._offsets = array("Q")  # start of each frame in the last segment
         self._next_trans_id = 1  # trans_id the next append must have
@@ -399,35 +313,22 @@ class DiskStorage:
                 os.unlink(path)
                 self._dir_dirty = True
                 report(f"{path}: removed an unfinished write")
-        vote = self._read_vote()
+        vote = read_vote(self._path(_VOTE))
         segment_ids = sorted(int(m[1]) for n in names if (m := _SEGMENT_RE.match(n)))
         snapshot_ids = sorted((int(m[1]) for n in names if (m := _SNAPSHOT_RE.match(n))),
                               reverse=True)
 
-        records, segments, last_buf = self._recover_log(segment_ids, report)
-        snapshot = self._recover_snapshot(snapshot_ids, records, report, sink_factory)
+        found = recover_log([(first, self._segment_path(first)) for first in segment_ids],
+                            report)
+        self._dir_dirty |= found.dir_changed
+        snapshot, dir_changed = recover_snapshot(
+            [(sid, self._snapshot_path(sid)) for sid in snapshot_ids], found.records, report,
+            sink_factory)
+        self._dir_dirty |= dir_changed
+        found = fit_log_to_snapshot(found, snapshot, report)
+        self._dir_dirty |= found.dir_changed
+        records, segments, last_buf = found.records, found.segments, found.last_buf
         base = snapshot[0] if snapshot is not None else 0
-
-        if snapshot is not None and records:
-            log_first, log_last = records[0].trans_id, records[-1].trans_id
-            at = records[base - log_first] if log_first <= base <= log_last else None
-            if log_last < base or (at is not None and at.vote_id != snapshot[1]):
-                why = (f"ends at trans_id {log_last}" if log_last < base else
-                       f"has vote_id {at.vote_id} at trans_id {base}, the snapshot {snapshot[1]}")
-                for seg in segments:
-                    os.unlink(seg.path)
-                    report(f"{seg.path}: removed: the log {why}; it predates the snapshot "
-                           f"at trans_id {base}")
-                self._dir_dirty = True
-                records, segments, last_buf = [], [], b""
-            elif log_first > base + 1:
-                raise StorageError(segments[0].path, 0, f"log starts at trans_id {log_first}, "
-                                   f"the snapshot ends at {base}: entries in between are missing")
-            else:
-                records = records[base + 1 - log_first:]
-        elif records and records[0].trans_id != 1:
-            raise StorageError(segments[0].path, 0, f"log starts at trans_id "
-                               f"{records[0].trans_id} and no snapshot covers what is before")
 
         self._segments = segments
         self._base = base
@@ -444,114 +345,6 @@ class DiskStorage:
         self._recovered = True
         self.sync()
         return Recovered(vote, snapshot, records, reports)
-
-    def _read_vote(self) -> tuple[int, int]:
-        path = self._path(_VOTE)
-        try:
-            buf = _read_file(path)
-        except FileNotFoundError:
-            return (0, 0)
-        try:
-            return decode_vote(buf)
-        except ValueError as exc:
-            # A vote is replaced by rename, never torn: this is damage, and
-            # forgetting a vote could let this node vote twice in one epoch.
-            raise StorageError(path, 0, f"vote unreadable: {exc}") from None
-
-    def _recover_log(self, segment_ids: list[int], report: Any
-                     ) -> tuple[list[Record], list[_Segment], bytes | memoryview]:
-        records: list[Record] = []
-        segments: list[_Segment] = []
-        last_buf = b""
-        expect: int | None = None  # first trans_id of the next segment
-        for i, first in enumerate(segment_ids):
-            path = self._segment_path(first)
-            is_last = i == len(segment_ids) - 1
-            if expect is not None and first != expect:
-                raise StorageError(path, 0, f"log gap: the previous segment ends at trans_id "
-                                   f"{expect - 1}, this one starts at {first}")
-            buf = _read_file(path)
-            result = scan(buf, first_trans_id=first)
-            good_end = result.good_end_offset
-            problem = result.problem
-            allocated = good_end
-            if problem is not None and _zeros_from(buf, good_end):
-                allocated = len(buf)  # zeros written ahead of the records: not a problem
-            elif problem is not None:
-                after = result.records[-1].trans_id if result.records else first - 1
-                later = resync(buf, problem.offset + 1, after_trans_id=after)
-                hole = None
-                if later is not None and is_last:
-                    hole = _zero_sector(buf, problem.offset, later)
-                if later is not None and hole is None:
-                    raise StorageError(path, problem.offset, f"{problem.kind} record "
-                                       f"({problem.reason}) before valid records "
-                                       f"(at offset {later})")
-                if not is_last:
-                    raise StorageError(path, problem.offset, f"{problem.kind} record "
-                                       f"({problem.reason}) in a segment that is not the last")
-                self._cut(path, good_end)
-                why = f"{problem.kind} record ({problem.reason})"
-                if hole is not None:
-                    why += (f", a sector of zeros at offset {hole} and records again at "
-                            f"offset {later}: writes after the last sync that reached the "
-                            f"disk out of order (a power loss)")
-                report(f"{path}: cut {len(buf) - good_end} bytes at offset {problem.offset}: "
-                       f"{why}")
-            expect = first + len(result.records)
-            if good_end == 0 and is_last:  # holds nothing: start afresh on append
-                os.unlink(path)
-                self._dir_dirty = True
-                continue
-            records.extend(result.records)
-            segments.append(_Segment(first, path, good_end, allocated))
-            last_buf = buf if good_end == len(buf) else memoryview(buf)[:good_end]  # no copy
-        return records, segments, last_buf
-
-    def _cut(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)  # a cut the disk forgot would put garbage before new records
-        finally:
-            os.close(fd)
-
-    def _recover_snapshot(self, snapshot_ids: list[int], records: list[Record], report: Any,
-                          sink_factory: Callable[[], Any] | None = None
-                          ) -> tuple[int, int, Any] | None:
-        chosen = None
-        skipped: list[tuple[int, str]] = []
-        for sid in snapshot_ids:
-            path = self._snapshot_path(sid)
-            try:
-                sink = sink_factory() if sink_factory is not None else None
-                trans_id, vote_id, state = decode_snapshot(_read_blocks(path), sink)
-                if trans_id != sid:
-                    raise ValueError(f"holds trans_id {trans_id}")
-            except ValueError as exc:
-                skipped.append((sid, path))
-                report(f"{path}: corrupt snapshot skipped ({exc}); kept as {path}.corrupt")
-                continue
-            except OSError as exc:
-                raise StorageError(path, None, f"cannot read: {exc.strerror or exc}") from exc
-            chosen = (trans_id, vote_id, state)
-            break
-        base = chosen[0] if chosen is not None else 0
-        if skipped:
-            newest_skipped, newest_path = skipped[0]
-            if newest_skipped > base and not (records and records[0].trans_id <= base + 1
-                                              and records[-1].trans_id >= newest_skipped):
-                raise StorageError(newest_path, None, f"corrupt snapshot, and neither an older "
-                                   f"snapshot nor the log covers trans_ids {base + 1}.."
-                                   f"{newest_skipped}")
-            for _sid, path in skipped:
-                os.replace(path, path + ".corrupt")
-            self._dir_dirty = True
-        for sid in snapshot_ids:  # older valid ones: left by a crash before their removal
-            if sid < base:
-                os.unlink(self._snapshot_path(sid))
-                self._dir_dirty = True
-        return chosen
 
     # -- the vote ------------------------------------------------------------
 
@@ -614,7 +407,7 @@ class DiskStorage:
             self._write(seg, frames, pending)
         self._next_trans_id = expect
 
-    def _write(self, seg: _Segment, frames: list[bytes], size: int) -> None:
+    def _write(self, seg: Segment, frames: list[bytes], size: int) -> None:
         end = seg.size + size
         if end > seg.allocated:
             self._preallocate(seg, end)
@@ -629,7 +422,7 @@ class DiskStorage:
         self._appends += 1
         self.records_written += len(frames)
 
-    def _preallocate(self, seg: _Segment, end: int) -> None:
+    def _preallocate(self, seg: Segment, end: int) -> None:
         """Fill the current segment's file with zeros up to a step
         (PREALLOCATE_BYTES) past `end`. If that fails (a full disk), the
         record writes extend the file instead: slower syncs, nothing else
@@ -651,7 +444,7 @@ class DiskStorage:
             log.info("storage: %s: no zeros written ahead of the log (%s); writes extend "
                      "the file", seg.path, exc.strerror or exc)
 
-    def _trim(self, seg: _Segment) -> None:
+    def _trim(self, seg: Segment) -> None:
         """Cut the current segment's file to its records (the space allocated
         ahead goes) and make that durable."""
         try:
@@ -662,7 +455,7 @@ class DiskStorage:
         except OSError as exc:
             raise self._fail(seg.path, None, "fsync", exc) from exc
 
-    def _roll(self, first: int) -> _Segment:
+    def _roll(self, first: int) -> Segment:
         """Close the current segment (trimmed and fsynced: every segment but
         the last is durable and ends with its last record) and start
         `log-<first>.seg`."""
@@ -676,7 +469,7 @@ class DiskStorage:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise self._fail(path, None, "create", exc) from exc
-        seg = _Segment(first, path, 0)
+        seg = Segment(first, path, 0)
         self._segments.append(seg)
         self._offsets = array("Q")
         self._dir_dirty = True
@@ -768,7 +561,7 @@ class DiskStorage:
             keep = trans_id - seg.first + 1  # records of seg to keep (>= 1)
             try:
                 if self._fd < 0:  # the cut is in an older segment: index it
-                    self._offsets = array("Q", frame_offsets(_read_file(seg.path, seg.size)))
+                    self._offsets = array("Q", frame_offsets(read_file(seg.path, seg.size)))
                     self._fd = os.open(seg.path, os.O_WRONLY)
                 offsets = self._offsets
                 if keep < len(offsets):
