@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qserver.entries import (

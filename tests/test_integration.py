@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from procs import wait_until, TcpClient, UdpClient, free_port
+from procs import wait_until, TcpClient, UdpClient
 
 # Slack for the retry scenario: time moves on between requests on a busy box.
 RETRY_S = 2

@@ -4,7 +4,6 @@ and random crash schedules against a model of what must survive."""
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 from pathlib import Path
