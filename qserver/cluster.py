@@ -391,23 +391,24 @@ class ClusterEngine:
             storage.append(ready.records)
         if storage.dirty:
             policy = self.config.fsync.value
-            if policy == "always":
-                if self.core.deferred_sync and self.core.is_master:
-                    # Our records went out already; we count them once synced.
-                    if self.core.own_sync_urgent(now_ms()):
-                        self._start_sync()
-                    elif self._batch_timer is None:  # the slaves make the majority
-                        self._batch_timer = self._loop.call_later(
-                            BATCH_SYNC_MS / 1000, self._batch_sync)
-                else:
-                    # A slave's answers vouch for its records: sync before
-                    # they go. (Deferring this too, holding the answers
-                    # until a threaded fsync ends, cost the cluster 40% more
-                    # CPU per write in bench/durability_bench.py: slower.)
-                    storage.sync()
-                    self.core.synced_to(storage.next_trans_id - 1)
-            elif policy == "batch" and self._batch_timer is None:
-                self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
+            if policy == "always" and not (self.core.deferred_sync and self.core.is_master):
+                # A slave's answers vouch for its records: sync before they
+                # go. (Deferring this too, holding the answers until a
+                # threaded fsync ends, cost the cluster 40% more CPU per
+                # write in bench/durability_bench.py: slower.)
+                storage.sync()
+                self.core.synced_to(storage.next_trans_id - 1)
+            elif policy != "off":  # a deferring master's records went out already
+                self._sync_when_due()
+
+    def _sync_when_due(self) -> None:
+        """Written records wait for a sync off the event loop: at once if our
+        own copy must count now (NativeCore.own_sync_urgent), else by the
+        batch timer (fsync=batch, or a master whose slaves make the majority)."""
+        if self.core.own_sync_urgent(now_ms()):
+            self._start_sync()
+        elif self._batch_timer is None:
+            self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
 
     def _batch_sync(self) -> None:
         self._batch_timer = None
@@ -480,11 +481,11 @@ class ClusterEngine:
                 return
             if epoch == self._sync_epoch:
                 self.core.synced_to(covered)
-            if self._sync_again or (self.storage.dirty and self.core.own_sync_urgent(now_ms())):
+            if self._sync_again:
                 self._sync_again = False
                 self._start_sync()
-            elif self.storage.dirty and self._batch_timer is None:
-                self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
+            elif self.storage.dirty:
+                self._sync_when_due()
         except StorageError as exc:
             self._fail(exc)
             return

@@ -107,6 +107,20 @@ class Lone:
         return sum(p.stat().st_size for p in self.data.glob("log-*.seg"))
 
 
+async def started_with_a_write_in_flight(tmp_path, monkeypatch, data: str) -> Lone:
+    """A lone master whose first entry is synced, then one produce of
+    `data` whose sync is submitted and held."""
+    node = Lone(tmp_path, monkeypatch)
+    await node.start()
+    await until(lambda: node.fake.in_flight == 1, "a sync of the new master's first entry")
+    node.fake.finish()
+    await until(lambda: node.engine.core.durable_id == node.engine.core.log.last_trans_id,
+                "the first entry is durable")
+    node.produce(data)
+    await until(lambda: node.fake.in_flight == 1, "a sync of the write is submitted")
+    return node
+
+
 def run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 60))
 
@@ -114,13 +128,7 @@ def run(coro) -> None:
 def test_a_lone_master_answers_once_the_kernel_sync_covering_the_write_is_done(
         tmp_path, monkeypatch):
     async def main() -> None:
-        node = Lone(tmp_path, monkeypatch)
-        await node.start()
-        while node.fake.in_flight:  # the new master's own first entry
-            node.fake.finish()
-            await asyncio.sleep(0.01)
-        node.produce("a")
-        await until(lambda: node.fake.in_flight == 1, "a sync of the write is submitted")
+        node = await started_with_a_write_in_flight(tmp_path, monkeypatch, "a")
         await asyncio.sleep(0.05)
         assert node.answers == []  # on its way to the disk: not answered yet
         node.fake.finish()
@@ -133,13 +141,7 @@ def test_a_lone_master_answers_once_the_kernel_sync_covering_the_write_is_done(
 
 def test_a_failed_kernel_sync_stops_the_node_and_answers_nothing(tmp_path, monkeypatch):
     async def main() -> None:
-        node = Lone(tmp_path, monkeypatch)
-        await node.start()
-        while node.fake.in_flight:
-            node.fake.finish()
-            await asyncio.sleep(0.01)
-        node.produce("a")
-        await until(lambda: node.fake.in_flight == 1, "a sync of the write is submitted")
+        node = await started_with_a_write_in_flight(tmp_path, monkeypatch, "a")
         node.fake.finish(-errno.EIO)
         await until(lambda: node.fatal, "the node gives up")
         assert isinstance(node.fatal[0], StorageError) and "fsync" in str(node.fatal[0])
@@ -153,13 +155,7 @@ def test_a_failed_kernel_sync_stops_the_node_and_answers_nothing(tmp_path, monke
 def test_close_waits_for_the_sync_in_flight_and_heeds_its_outcome(tmp_path, monkeypatch,
                                                                   outcome):
     async def main() -> None:
-        node = Lone(tmp_path, monkeypatch)
-        await node.start()
-        while node.fake.in_flight:
-            node.fake.finish()
-            await asyncio.sleep(0.01)
-        node.produce("a")
-        await until(lambda: node.fake.in_flight == 1, "a sync of the write is submitted")
+        node = await started_with_a_write_in_flight(tmp_path, monkeypatch, "a")
         written = node.storage._segments[-1].size
         closing = asyncio.ensure_future(node.engine.close())
         await asyncio.sleep(0.1)
