@@ -126,7 +126,7 @@ class ClusterEngine:
             me = next(p for p in config.peers if p.node_id == config.node_id)
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
-                peers={p.node_id: (p.host, p.port) for p in peers},
+                peers={p.node_id: p.dial_address for p in peers},
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
         self._batch_timer: asyncio.TimerHandle | None = None
         self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None

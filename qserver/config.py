@@ -76,6 +76,18 @@ class PeerConfig:
     node_id: int
     host: str
     port: int  # internal (node-to-node) port
+    # Where the other nodes connect to reach this node, when that is not
+    # where it listens (a proxy, NAT or tunnel in between): its internal
+    # port, and its raft port (host:port + RAFT_PORT_OFFSET otherwise). The
+    # node keeps its identity (raft names a node by host:port + offset);
+    # only the address dialed changes. Ignored on a node's own entry.
+    dial: tuple[str, int] | None = None
+    raft_dial: tuple[str, int] | None = None
+
+    @property
+    def dial_address(self) -> tuple[str, int]:
+        """The address to connect to for this node's internal port."""
+        return self.dial or (self.host, self.port)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,6 +216,22 @@ class _Reader:
     def port(self, name: str, default: int | None = None, *, required: bool = False) -> int | None:
         return self.int(name, default, lo=1, hi=65535, required=required)
 
+    def address(self, name: str) -> tuple[str, int] | None:
+        """An optional "host:port" attribute."""
+        raw = self.text(name)
+        if raw is None:
+            return None
+        host, sep, port = raw.strip().rpartition(":")
+        if not sep or not host or any(c.isspace() for c in host):
+            raise self.error(f"{name}={raw!r} is not host:port")
+        try:
+            number = int(port)
+        except ValueError:
+            raise self.error(f"{name}={raw!r} is not host:port") from None
+        if not 1 <= number <= 65535:
+            raise self.error(f"{name}={raw!r}: port out of range 1..65535")
+        return host, number
+
 
 def _queue_name(r: _Reader, name: str | None) -> str:
     if not name:
@@ -266,9 +294,10 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
         kw["secret"] = secret
     peers = []
     for n in nodes:
-        n.check_known("id", "host", "port")
+        n.check_known("id", "host", "port", "dial", "raft_dial")
         peer = PeerConfig(node_id=n.int("id", lo=1, hi=2**31 - 1, required=True),
-                          host=n.host("host", DEFAULT_HOST), port=n.port("port", required=True))
+                          host=n.host("host", DEFAULT_HOST), port=n.port("port", required=True),
+                          dial=n.address("dial"), raft_dial=n.address("raft_dial"))
         if any(p.node_id == peer.node_id for p in peers):
             raise n.error(f"duplicate node id {peer.node_id}")
         if any((p.host, p.port) == (peer.host, peer.port) for p in peers):

@@ -60,6 +60,7 @@ from collections.abc import Callable
 import msgpack
 import pysyncobj.syncobj as _pso
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.dns_resolver import globalDnsResolver
 from pysyncobj.journal import FileJournal, MemoryJournal
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
@@ -171,6 +172,24 @@ class DurableJournal(FileJournal):
             self.syncs += 1
 
 
+class _DialedNode(TCPNode):
+    """A raft node known by its address (its identity on every node) and
+    reached at another (`<node raft_dial>`: a proxy, NAT or tunnel in
+    between). pysyncobj's transport connects to `node.ip`, `node.port`."""
+
+    def __init__(self, address: str, dial: tuple[str, int]) -> None:
+        super().__init__(address)
+        self.dial = dial
+
+    @property
+    def ip(self) -> str:
+        return globalDnsResolver().resolve(self.dial[0])
+
+    @property
+    def port(self) -> int:
+        return self.dial[1]
+
+
 class _PersistingTransport(TCPTransport):
     """pysyncobj's TCP transport, which persists before it sends."""
 
@@ -266,7 +285,7 @@ class RaftEngine:
             me = next(p for p in peers if p.node_id == config.node_id)
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
-                peers={p.node_id: (p.host, p.port) for p in others},
+                peers={p.node_id: p.dial_address for p in others},
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
         self.sync: _QueueSync | None = None
         self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None
@@ -367,7 +386,8 @@ class RaftEngine:
             await self.net.start()
         if cfg.peers:
             self_addr = self._raft_addr[cfg.node_id]
-            others = [a for n, a in sorted(self._raft_addr.items()) if n != cfg.node_id]
+            others = [_DialedNode(self._raft_addr[p.node_id], p.raft_dial) if p.raft_dial
+                      else self._raft_addr[p.node_id] for p in cfg.peers if p.node_id != cfg.node_id]
         else:
             self_addr = f"{cfg.host}:0"  # one node: pysyncobj needs an address, binds nothing useful
             others = []
