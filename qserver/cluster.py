@@ -199,6 +199,10 @@ class ClusterEngine:
         self.core.propose(entry, done)
         self._schedule_flush()
 
+    def read_index(self, done: Done) -> None:
+        self.core.read_index(done)
+        self._schedule_flush()
+
     def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
         """Relay a client request to the master; False if none is reachable."""
         leader_id = self.core.leader_id

@@ -66,11 +66,11 @@ from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
 from .config import Config, Fsync
-from .entries import Entry
+from .entries import Entry, Noop
 from .peers import PeerNetwork
 from .replication.base import Done, EngineStatus, LeaderInfo
 from .replication.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
-from .replication.raft import RaftMachine
+from .replication.raft import OUTCOME_UNKNOWN, RaftMachine
 from .store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
@@ -296,6 +296,7 @@ class RaftEngine:
         self._closing = False
         self._forwards: dict[int, tuple[Callable[[dict], None], asyncio.TimerHandle, int]] = {}
         self._next_forward = 1
+        self._reads: list[Done] = []  # reads of this turn, waiting for their marker
         self._last_role: str | None = None
         # A plain attribute, not a property: the service reads it per request.
         self.is_master = False
@@ -342,6 +343,32 @@ class RaftEngine:
         payload = self.machine.propose(entry, done)
         if payload is not None:
             self._submit(payload)
+
+    def read_index(self, done: Done) -> None:
+        """Answer a read once it rests on committed state: the reads of one
+        loop turn share one marker (a Noop entry of this master's epoch);
+        when the marker comes back committed and counting, no other epoch
+        decided anything since the reads were asked for, and everything
+        before them is committed (RaftMachine's rule). pysyncobj has no read
+        index of its own; the marker costs one raft entry per turn of reads.
+        In async mode, at once."""
+        if self.machine.async_mode:
+            done(None, None)
+            return
+        self._reads.append(done)
+        if len(self._reads) == 1:
+            self._loop.call_soon(self._propose_read_marker)
+
+    def _propose_read_marker(self) -> None:
+        reads, self._reads = self._reads, []
+
+        def done(_result: object, error: str | None) -> None:
+            if error == "not master":  # lost the role since the reads came
+                error = OUTCOME_UNKNOWN
+            for read in reads:
+                read(None, error)
+
+        self.propose(Noop(), done)
 
     def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
         """Relay a client request to the master; False if none is reachable."""

@@ -18,6 +18,15 @@ The response is the request object itself with fields added, as queue_server
 does: its clients match `seq` and read back their own fields. A produce
 response drops `data`, `delay`, `ttl` and `retry`.
 
+Reads: an answer that appends no entry (an empty consume, a confirm of an
+unknown id, monitor and list) is computed from the master's store, which
+holds its uncommitted entries too. It goes out only once `Engine.read_index`
+says it rests on committed state (design.md: Raft's read index), so that a
+master cut off from its slaves never acknowledges what a new master undoes;
+if the master loses its role first, the client hears "outcome unknown".
+Node-local reads (104, 107) and leader (8) answer from the node's own state
+at once.
+
 Rules
 - Every outcome answers exactly once: a bad request (code -1 and the
   reason), a refused write ("queue full", "time error"), an empty consume
@@ -190,9 +199,9 @@ class Service:
         elif kind is ConfirmRequest:
             self._confirm(obj, req, respond)
         elif kind is MonitorRequest:
-            respond(self._monitor(obj, req, now_ms))
+            self._read(obj, req.local, self._monitor, req, now_ms, respond)
         elif kind is ListRequest:
-            respond(self._list(obj, req, now_ms))
+            self._read(obj, req.local, self._list, req, now_ms, respond)
         elif kind is LeaderRequest:
             respond(self._leader(obj))
         elif kind is UnsupportedRequest:
@@ -264,7 +273,7 @@ class Service:
         commits, `fill(obj, result)` adds the result's fields."""
         if outcome is None:
             obj["code"] = 0
-            respond(obj)
+            self._after_read_index(obj, obj, respond)
             return
         if type(outcome) is str:
             respond(error_response(outcome, obj))
@@ -282,6 +291,32 @@ class Service:
         self.engine.propose(outcome, done)
 
     # -- reads -------------------------------------------------------------
+
+    def _read(self, obj: dict, local: bool, answer, req, now_ms: int, respond: Respond) -> None:
+        """Answer a monitor or list request: at once from this node's own
+        state when it is node-local (104, 107), else once the master's
+        state it was read from is committed."""
+        if local:
+            respond(answer(obj, req, now_ms))
+            return
+        request = dict(obj)  # answer() fills obj in; an error echoes the request
+        self._after_read_index(answer(obj, req, now_ms), request, respond)
+
+    def _after_read_index(self, response: dict, request: dict, respond: Respond) -> None:
+        """Send `response`, computed from the master's state now, once that
+        state rests on committed entries only (Engine.read_index); if the
+        master loses its role first, answer `request` with the error."""
+        if self._commits_at_once:  # a lone node in memory: its state is committed
+            respond(response)
+            return
+
+        def done(_result: object, error: str | None) -> None:
+            if error is None:
+                respond(response)
+            else:
+                respond(error_response(error, request))
+
+        self.engine.read_index(done)
 
     def node_info(self) -> dict:
         """This node's replication state, as monitor reports it."""

@@ -59,6 +59,12 @@ class Engine(Protocol):
     def propose(self, entry: Entry, done: Done) -> None:
         """Replicate `entry` (master only); call `done` when it is decided."""
 
+    def read_index(self, done: Done) -> None:
+        """Call `done(None, None)` once everything this master's state holds
+        now is committed and it is known to have been master now (Raft's
+        read index), `done(None, reason)` if it loses its role first. For
+        answers that append no entry (master only)."""
+
     def status(self) -> EngineStatus: ...
 
     def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:

@@ -119,6 +119,11 @@ class Push:
     records: tuple[Record, ...]
     commit_id: int  # the master's commit position
     last_trans_id: int  # the master's last trans_id: a slave behind it pulls
+    # The master's read round when it sent this (NativeCore.read_index): the
+    # slave echoes it, and a majority echoing a round sent after a read was
+    # asked for proves the master still led then. Absent on the wire from
+    # nodes of the previous release: 0.
+    read_round: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +134,7 @@ class PushReply:
     vote_id: int
     node_id: int
     match_id: int
+    read_round: int = 0  # the read_round of the Push this answers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,7 +175,8 @@ def message_to_wire(msg: Message) -> list:
     t = type(msg)
     if t is Push:
         return [5, msg.vote_id, msg.node_id, msg.prev_vote_id, msg.prev_trans_id,
-                [record_to_wire(r) for r in msg.records], msg.commit_id, msg.last_trans_id]
+                [record_to_wire(r) for r in msg.records], msg.commit_id, msg.last_trans_id,
+                msg.read_round]
     if t is Hello:
         return [1, msg.vote_id, msg.node_id, msg.client_host, msg.client_port]
     if t is Ping:
@@ -181,7 +188,7 @@ def message_to_wire(msg: Message) -> list:
     if t is Snapshot:
         return [10, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id, msg.state]
     if t is PushReply:
-        return [6, msg.vote_id, msg.node_id, msg.match_id]
+        return [6, msg.vote_id, msg.node_id, msg.match_id, msg.read_round]
     if t is Pull:
         return [7, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id]
     if t is Forward:
@@ -214,7 +221,7 @@ def message_from_wire(obj: object) -> Message:
         raise ValueError("message must be a list [tag, vote_id, node_id, ...]")
     tag, vote_id, node_id = obj[0], _n(obj[1], "vote_id"), _n(obj[2], "node_id")
     n = len(obj)
-    if tag == 5 and n == 8:
+    if tag == 5 and (n == 8 or n == 9):  # 8: a node of the release before read rounds
         if not isinstance(obj[5], (list, tuple)):
             raise ValueError("push records must be a list")
         records = tuple(record_from_wire(r) for r in obj[5])
@@ -224,7 +231,8 @@ def message_from_wire(obj: object) -> Message:
                 raise ValueError("push records are not consecutive")
         return Push(vote_id=vote_id, node_id=node_id, prev_vote_id=_n(obj[3], "prev_vote_id"),
                     prev_trans_id=prev, records=records, commit_id=_n(obj[6], "commit_id"),
-                    last_trans_id=_n(obj[7], "last_trans_id"))
+                    last_trans_id=_n(obj[7], "last_trans_id"),
+                    read_round=_n(obj[8], "read_round") if n == 9 else 0)
     if tag == 1 and n == 5:
         if type(obj[3]) is not str:
             raise ValueError("client_host must be a string")
@@ -244,8 +252,9 @@ def message_from_wire(obj: object) -> Message:
             raise ValueError("snapshot state must be a list")
         return Snapshot(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
                         log_vote_id=_n(obj[4], "log_vote_id"), state=obj[5])
-    if tag == 6 and n == 4:
-        return PushReply(vote_id=vote_id, node_id=node_id, match_id=_n(obj[3], "match_id"))
+    if tag == 6 and (n == 4 or n == 5):
+        return PushReply(vote_id=vote_id, node_id=node_id, match_id=_n(obj[3], "match_id"),
+                         read_round=_n(obj[4], "read_round") if n == 5 else 0)
     if tag == 7 and n == 5:
         return Pull(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
                     log_vote_id=_n(obj[4], "log_vote_id"))

@@ -47,6 +47,19 @@ A master that steps down before its entries commit answers their clients
 with an error ("outcome unknown"), rolls back nothing yet, and undoes them
 only if the new master's log truncates them.
 
+Reads (Raft's read index). An answer that appends no entry (a confirm of an
+unknown id, an empty consume, monitor, list) is computed from the master's
+store, which holds its uncommitted entries too, and from a master that may
+already have been replaced without knowing it. In quorum mode such an answer
+waits (`read_index`) until (1) every entry appended before it was asked for
+is committed, and (2) a majority has answered a push sent after it was asked
+for, still in this master's epoch: pushes carry `read_round`, slaves echo
+it. By (2) no newer master existed when the read was asked for (its voters
+and our repliers would share a node, whose vote_id never goes back), so the
+master's state then held every committed entry; by (1) nothing it showed
+can be undone. A master that steps down first answers "outcome unknown".
+Reads asked for in one turn share one round; a write's push serves as it.
+
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
 logs with the same (vote_id, trans_id) entry are identical up to it; every
@@ -134,7 +147,7 @@ class _Peer:
     """What the master (and everyone) knows about one other node."""
 
     __slots__ = ("node_id", "heard_ms", "sent_upto", "match_id", "acked_ms", "tokens",
-                 "client", "pending_pull")
+                 "client", "pending_pull", "round_sent", "read_acked")
 
     def __init__(self, node_id: int) -> None:
         self.node_id = node_id
@@ -145,6 +158,8 @@ class _Peer:
         self.tokens = 0.0  # master: pull budget in records (sync_rate)
         self.client: LeaderInfo | None = None  # its client address (from Hello)
         self.pending_pull: Pull | None = None  # master: a pull waiting for budget
+        self.round_sent = 0  # master: read_round of the last push sent to it
+        self.read_acked = 0  # master: highest read_round it echoed in this epoch
 
 
 class NativeCore:
@@ -204,6 +219,13 @@ class NativeCore:
         self.durable_id = log.last_trans_id  # our records up to here are on stable storage
         self.snapshot_id = log.base_trans_id  # trans_id of our newest snapshot (0: none)
         self.snapshot_vote = log.base_vote_id  # vote_id of the entry at snapshot_id
+        # Reads (read_index): every push carries read_round; a read waits
+        # for a majority to echo a round sent after it was asked for.
+        self.read_round = 0  # master: the round pushes carry now
+        self.round_sent_any = False  # master: a push carried read_round already
+        # master: (trans_id, vote_id at it, round, done) of waiting reads, in
+        # the order asked (so trans_id and round never decrease along it)
+        self.reads: deque[tuple[int, int | None, int, Done]] = deque()
         self.ready = Ready()
 
     # -- queries -----------------------------------------------------------
@@ -290,8 +312,15 @@ class NativeCore:
 
     def take_ready(self) -> Ready:
         """Hand over what must be done, and start collecting afresh."""
-        if self.role is Role.MASTER and self.log.last_trans_id > self.pushed_upto:
-            self._push_new()
+        if self.role is Role.MASTER:
+            if self.log.last_trans_id > self.pushed_upto:
+                self._push_new()
+            if self.reads and self.peers:
+                # Waiting reads need a push of the current round to everyone
+                # who has not had one (a heartbeat where no records went).
+                for peer in self.peers.values():
+                    if peer.round_sent < self.read_round or not self.round_sent_any:
+                        self._send_push(peer, peer.sent_upto, ())
         ready, self.ready = self.ready, Ready()
         return ready
 
@@ -312,6 +341,46 @@ class NativeCore:
             self.waiting[record.trans_id] = (self.vote_id, done, result)
         if not self.peers:
             self._maybe_commit()
+
+    def read_index(self, done: Done) -> None:
+        """Answer a read (an answer that appends no entry) once it rests on
+        committed state only (see "Reads" in the module docstring):
+        `done(None, None)` then, `done(None, OUTCOME_UNKNOWN)` if this node
+        stops being master first; at once in async mode; "not master" if
+        it is not master. The answer runs from `take_ready().answers`."""
+        if self.role is not Role.MASTER:
+            done(None, "not master")
+            return
+        if self.async_mode:
+            self.ready.answers.append(lambda: done(None, None))
+            return
+        if self.round_sent_any:  # a push sent before now must not vouch for this read
+            self.read_round += 1
+            self.round_sent_any = False
+        last = self.log.last_trans_id
+        self.reads.append((last, self.log.vote_id_at(last), self.read_round, done))
+        self._maybe_answer_reads()
+
+    def _maybe_answer_reads(self) -> None:
+        """Answer the waiting reads whose entries are committed and whose
+        round a majority has echoed (we count as echoing every round)."""
+        reads = self.reads
+        if not reads:
+            return
+        if self.peers:
+            echoed = sorted([self.read_round] + [p.read_acked for p in self.peers.values()],
+                            reverse=True)
+            confirmed = echoed[self.quorum - 1]
+        else:
+            confirmed = self.read_round
+        commit_id = self.commit_id
+        answers = self.ready.answers
+        while reads and reads[0][0] <= commit_id and reads[0][2] <= confirmed:
+            trans_id, vote, _round, done = reads.popleft()
+            if self.log.vote_id_at(trans_id) == vote:
+                answers.append(lambda done=done: done(None, None))
+            else:  # cannot happen on a master (it never truncates); be safe
+                answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
 
     def link_up(self, peer_id: int) -> None:
         """A link to `peer_id` came up: introduce ourselves."""
@@ -477,6 +546,7 @@ class NativeCore:
             peer.acked_ms = now_ms
             peer.tokens = float(self.sync_rate)
             peer.pending_pull = None
+            peer.round_sent = peer.read_acked = 0  # echoes of another epoch vouch for nothing
         self.refill_ms = now_ms
         # Our decisions must see the whole log: apply what is not yet applied.
         while self.applied_id < last:
@@ -503,6 +573,9 @@ class NativeCore:
         waiting, self.waiting = self.waiting, {}
         for _vote, done, _result in waiting.values():
             self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+        reads, self.reads = self.reads, deque()
+        for _t, _vote, _round, done in reads:
+            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
 
     def _set_vote(self, vote_id: int, voted_for: int) -> None:
         self.vote_id, self.voted_for = vote_id, voted_for
@@ -520,7 +593,10 @@ class NativeCore:
         self._send(peer.node_id, Push(vote_id=self.vote_id, node_id=self.node_id,
                                       prev_vote_id=prev_vote, prev_trans_id=prev,
                                       records=tuple(records), commit_id=self.commit_id,
-                                      last_trans_id=self.log.last_trans_id))
+                                      last_trans_id=self.log.last_trans_id,
+                                      read_round=self.read_round))
+        peer.round_sent = self.read_round
+        self.round_sent_any = True
 
     def _push_new(self) -> None:
         """Push everything appended since the last push to in-step slaves."""
@@ -542,6 +618,9 @@ class NativeCore:
         if msg.match_id > peer.match_id:
             peer.match_id = min(msg.match_id, self.log.last_trans_id)
             self._maybe_commit()
+        if msg.read_round > peer.read_acked:
+            peer.read_acked = min(msg.read_round, self.read_round)
+            self._maybe_answer_reads()
 
     def _refill(self, now_ms: int) -> None:
         elapsed = now_ms - self.refill_ms
@@ -644,6 +723,8 @@ class NativeCore:
                 self.ready.answers.append(
                     (lambda done=done, result=result: done(result, None)) if ok
                     else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
+        if self.reads:
+            self._maybe_answer_reads()
         if len(self.log) > self.log_size + COMPACT_SLACK:
             upto = min(commit_id, self.applied_id)
             if self.external_snapshots and self.peers:  # a slave may need the log after it
@@ -716,7 +797,8 @@ class NativeCore:
             log.append(record)
             self.ready.records.append(record)
         match = prev + len(records)
-        self._send(peer.node_id, PushReply(vote_id=self.vote_id, node_id=self.node_id, match_id=match))
+        self._send(peer.node_id, PushReply(vote_id=self.vote_id, node_id=self.node_id,
+                                           match_id=match, read_round=msg.read_round))
         commit = min(msg.commit_id, match)
         if commit > self.commit_id:
             self._commit_to(commit)
