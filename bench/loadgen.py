@@ -20,6 +20,12 @@ Modes
   that finds the queue empty is counted in `empty` and followed by the next
   consume, so a run that ran dry shows it.
 - list: action 7 with pattern "bench".
+- empty_consume: action 2 on queue "bench-empty", which nothing produces to:
+  every answer is the empty consume (an answer that appends no entry).
+- confirm_unknown: action 3 of msg_id 1 on queue "bench-empty": every
+  answer is queue_server's code 0 for an unknown id (no entry either).
+  These two measure the read index (design.md: answers that append no entry
+  wait until the state they were read from is committed).
 
 Every request carries a `seq` (the server echoes it), so that a late UDP
 answer to a request already given up on is recognised and dropped.
@@ -47,7 +53,7 @@ import uvloop
 __all__ = ["LoadResult", "run_load", "prefill", "queue_size", "MODES", "PROTOS",
            "PRODUCE_QUEUE", "CONSUME_QUEUE", "DEFAULT_DATA"]
 
-MODES = ("produce", "consume_confirm", "list")
+MODES = ("produce", "consume_confirm", "list", "empty_consume", "confirm_unknown")
 PROTOS = ("tcp", "udp")
 
 # One queue for both modes, so that the consume_confirm runs consume what
@@ -56,6 +62,7 @@ PROTOS = ("tcp", "udp")
 PRODUCE_QUEUE = "bench"
 CONSUME_QUEUE = PRODUCE_QUEUE
 LIST_PATTERN = "bench"
+EMPTY_QUEUE = "bench-empty"  # never produced to: reads that find nothing
 
 # queue_server's bench sent about this much data per message.
 DEFAULT_DATA = "x" * 40
@@ -125,6 +132,10 @@ class _Requests:
             body = orjson.dumps({"action": 2, "queue": CONSUME_QUEUE})
         elif mode == "list":
             body = orjson.dumps({"action": 7, "pattern": LIST_PATTERN})
+        elif mode == "empty_consume":
+            body = orjson.dumps({"action": 2, "queue": EMPTY_QUEUE})
+        elif mode == "confirm_unknown":
+            body = orjson.dumps({"action": 3, "queue": EMPTY_QUEUE, "msg_id": 1})
         else:
             raise ValueError(f"unknown mode {mode!r}")
         # b'{...}' -> b'{...,"seq":' + seq + b'}'
