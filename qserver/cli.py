@@ -4,7 +4,9 @@
     qserver local-cluster [CONFIG ...]
 
 Exit status: 0 after an orderly shutdown (SIGINT or SIGTERM), 2 for a bad
-configuration or usage, 1 when the node cannot start (the port is taken).
+configuration or usage, 1 when the node cannot start (the port is taken)
+or stopped on a fatal error (a broken invariant, a bug, a failed write or
+fsync: one CRITICAL log line names it, and the process ends at once).
 A second SIGINT/SIGTERM during shutdown forces the exit.
 
 Client commands, against any node (`-s HOST:PORT`, repeatable; default
@@ -330,9 +332,49 @@ def _status(servers: list[tuple[str, int]], args) -> int:
     return 0
 
 
+def _halt(status: int) -> None:
+    """End the process at once (Node.fatal): no drain, no cleanup that
+    could act on broken state. What the storage wrote is in the files
+    already; the log lines are flushed first."""
+    logging.shutdown()
+    os._exit(status)
+
+
+# Open-file limit to ask for at start, within the hard limit: every client
+# connection is a descriptor, and the usual soft limit of 1024 would refuse
+# the 1,000th idle client.
+WANTED_OPEN_FILES = 65536
+# Below this many after raising, the start-up log warns.
+FEW_OPEN_FILES = 4096
+
+
+def _raise_open_file_limit() -> None:
+    """Raise RLIMIT_NOFILE's soft limit towards the hard one, and log it."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    qlog = logging.getLogger("qserver")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            qlog.warning("open-file limit %d (hard %d): could not raise it: %s", soft, hard, exc)
+            return
+        qlog.info("raised the open-file limit from %d to %d (hard limit %s)", soft, want,
+                  "unlimited" if hard == resource.RLIM_INFINITY else hard)
+        soft = want
+    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
+        qlog.warning("open-file limit %d: about that many client connections at most "
+                     "(raise the hard limit, e.g. LimitNOFILE= or ulimit -Hn)", soft)
+
+
 async def _run(config: Config) -> int:
     from .server import Node
 
+    _raise_open_file_limit()
     try:
         node = Node(config)
     except StorageError as exc:
@@ -345,6 +387,7 @@ async def _run(config: Config) -> int:
     except OSError as exc:
         logging.getLogger("qserver").error("cannot listen: %s", exc.strerror or exc)
         return 1
+    node.halt = _halt
     loop = asyncio.get_running_loop()
     signals = 0
 

@@ -90,6 +90,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 def now_ms() -> int:
+    """The core's clock: monotonic, for its timers only (elections,
+    heartbeats, pulls). A step of the wall clock (NTP, an operator) must not
+    look like a silent master. Message times are wall-clock: see wall_ms."""
+    return int(time.monotonic() * 1000)
+
+
+def wall_ms() -> int:
+    """Unix time in ms: what the store's decisions (ready times, ttls)
+    are made with, as server.py hands them to the service."""
     return int(time.time() * 1000)
 
 
@@ -319,7 +328,7 @@ class ClusterEngine:
         if self.handle_forwarded is None:
             respond({"code": -1, "reason": "no leader"})
             return
-        self.handle_forwarded(msg.request, now_ms(), respond)
+        self.handle_forwarded(msg.request, wall_ms(), respond)
 
     def _forward_timeout(self, request_id: int) -> None:
         self._fail_forward(request_id, "forward timeout; outcome unknown")
@@ -496,13 +505,21 @@ class ClusterEngine:
         self._schedule_flush()
 
     def _fail(self, exc: BaseException) -> None:
-        """Storage failed: stop serving writes and stop the node loudly."""
+        """Storage failed: stop serving writes and stop the node loudly
+        (the Node logs it and stops at once)."""
         if self._failed:
             return
         self._failed = True
-        log.critical("node %d: storage failed, stopping: %s", self.config.node_id, exc)
         if self.on_fatal is not None:
             self.on_fatal(exc)
+        else:
+            log.critical("node %d: storage failed, stopping: %s", self.config.node_id, exc)
+
+    def halt(self) -> None:
+        """A fatal error elsewhere in the node: carry out nothing more of
+        the core's (no persist, send or answer), and leave the storage as a
+        crash would at close()."""
+        self._failed = True
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()

@@ -74,7 +74,9 @@ What the layer above can rely on:
   does anyway.
 - on_link(peer, True) and on_link(peer, False) alternate, starting with
   True; neither runs inside `send` or `broadcast`. An exception raised by a
-  callback is logged and does not affect the link.
+  callback is the caller's bug, not the peer's: it goes to the event loop's
+  exception handler (a node stops there, see server.Node.fatal; the
+  default handler logs it) and does not affect the link.
 
 Dialing. One task per peer dials, waits for the connection to end, and
 dials again after a pause that doubles from `BACKOFF_MIN_S` to
@@ -486,7 +488,9 @@ class PeerNetwork:
             (node ids are still exchanged). Messages are never encrypted.
         on_message: called as on_message(peer_id, obj) for every message from
             an authenticated peer, in the order that peer sent them on that
-            connection. Runs inside the event loop; must not block.
+            connection. Runs inside the event loop; must not block. It drops
+            a malformed message itself; whatever it raises is our bug and
+            goes to the event loop's exception handler.
         on_link: called as on_link(peer_id, True) when the first
             authenticated link to a peer comes up, and on_link(peer_id, False)
             when its last one goes down. Not called once `close()` started.
@@ -741,17 +745,22 @@ class PeerNetwork:
             return
         try:
             self._on_message(peer_id, obj)
-        except Exception:
-            # The consumer's bug, not the peer's: keep the link, say so loudly.
-            log.exception("on_message failed for a message from node %d", peer_id)
+        except Exception as exc:
+            # Our fault, not the peer's (a malformed message is on_message's
+            # to drop, not to raise on): handed to the event loop's
+            # exception handler, which stops a node (server.Node.fatal).
+            self._callback_failed(exc, f"on_message for a message from node {peer_id}")
 
     def _notify_link(self, peer_id: int, up: bool) -> None:
         if self._on_link is None or self._closing:
             return
         try:
             self._on_link(peer_id, up)
-        except Exception:
-            log.exception("on_link(%d, %s) failed", peer_id, up)
+        except Exception as exc:
+            self._callback_failed(exc, f"on_link({peer_id}, {up})")
+
+    def _callback_failed(self, exc: Exception, where: str) -> None:
+        self._loop.call_exception_handler({"message": where, "exception": exc})
 
     # Sending
 

@@ -10,6 +10,21 @@ TCP answers pipelined requests in order, even when a later request is
 answered before an earlier one (quorum mode): each request takes a slot in
 the connection's queue of answers, and only the filled head of that queue is
 written. All answers that a single read produces go out in one write.
+
+Back-pressure: a connection stops being read while it owes more than
+MAX_PIPELINE answers, or while the transport holds more than
+WRITE_BUFFER_HIGH bytes of answers the client has not taken (it sends and
+never reads); it is read again once both have drained. So what one client
+can pin is bounded: its pipelined requests, its unsent answers, and the
+kernel's socket buffers, whatever it sends.
+
+Fail-stop: the node installs an exception handler on its event loop. An
+exception that escapes a callback (a timer, a flush, a peer message's step,
+a client read) is our bug or a broken invariant: `Node.fatal` logs one
+CRITICAL line naming what broke and where, and stops the node at once (the
+`qserver` command exits with status 1 without draining anything: records
+already written stay in the files, nothing more is answered, and a restart
+recovers from the log).
 """
 
 from __future__ import annotations
@@ -18,7 +33,9 @@ import asyncio
 import gc
 import logging
 import time
+import traceback
 from collections import deque
+from collections.abc import Callable
 
 from .config import Config
 from .config import Engine as ConfigEngine
@@ -42,6 +59,13 @@ log = logging.getLogger("qserver.server")
 # A client may pipeline this many requests before we stop reading from it
 # until answers drain: bounds the memory one connection can pin.
 MAX_PIPELINE = 4096
+
+# A client that does not read its answers: once this many bytes of answers
+# wait in the transport, the connection is no longer read (pause_writing),
+# until they drain below WRITE_BUFFER_LOW. A few hundred KB keep a fast
+# pipelining client streaming; the kernel's socket buffers come on top.
+WRITE_BUFFER_HIGH = 256 * 1024
+WRITE_BUFFER_LOW = 64 * 1024
 
 # How long an orderly shutdown waits for in-flight answers before closing.
 SHUTDOWN_GRACE_S = 5.0
@@ -77,7 +101,11 @@ class ClientTcpProtocol(asyncio.Protocol):
         self.slots: deque[list] = deque()  # [encoded answer or None], in request order
         self.batching = False  # inside data_received: flush once at its end
         self.closing = False  # close once every slot is written
-        self.paused = False  # reading paused (back-pressure)
+        # Reading is paused while either holds (back-pressure); `paused`
+        # says whether it is paused now.
+        self.paused = False
+        self.too_many_slots = False  # more than MAX_PIPELINE answers owed
+        self.writes_blocked = False  # the transport's buffer is over its high mark
         self.flush_pending = False  # a flush is scheduled for this loop turn
         self._loop: asyncio.AbstractEventLoop | None = None
         # Bound once: data_received runs per read, and these never change.
@@ -88,6 +116,8 @@ class ClientTcpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._loop = asyncio.get_running_loop()
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH,  # type: ignore[attr-defined]
+                                          low=WRITE_BUFFER_LOW)
         self.node.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -139,9 +169,9 @@ class ClientTcpProtocol(asyncio.Protocol):
                 handle(item, t, self._responder(slot))
         self.batching = False
         self._flush()
-        if len(slots) > MAX_PIPELINE and not self.paused and self.transport:
-            self.paused = True
-            self.transport.pause_reading()
+        if len(slots) > MAX_PIPELINE and not self.too_many_slots:
+            self.too_many_slots = True
+            self._update_reading()
 
     def _responder(self, slot: list):
         def respond(response: dict) -> None:
@@ -174,20 +204,31 @@ class ClientTcpProtocol(asyncio.Protocol):
                 transport.write(b"".join(out))
         if self.closing and not slots:
             transport.close()
-        elif self.paused and len(slots) <= MAX_PIPELINE // 2:
-            self.paused = False
-            transport.resume_reading()
+        elif self.too_many_slots and len(slots) <= MAX_PIPELINE // 2:
+            self.too_many_slots = False
+            self._update_reading()
 
     def pause_writing(self) -> None:
         # The client is not reading its answers: stop reading its requests.
-        if self.transport and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
+        self.writes_blocked = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        if self.transport and self.paused and len(self.slots) <= MAX_PIPELINE // 2:
+        self.writes_blocked = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read from the client iff neither back-pressure condition holds."""
+        transport = self.transport
+        if transport is None:
+            return
+        pause = self.too_many_slots or self.writes_blocked
+        if pause and not self.paused:
+            self.paused = True
+            transport.pause_reading()
+        elif not pause and self.paused and not self.closing:
             self.paused = False
-            self.transport.resume_reading()
+            transport.resume_reading()
 
     @property
     def idle(self) -> bool:
@@ -273,8 +314,14 @@ class Node:
             self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
                                                                           forwarded=True)
         if hasattr(self.engine, "on_fatal"):
-            self.engine.on_fatal = self._fatal
+            self.engine.on_fatal = self._engine_failed
         self.exit_status = 0  # what `qserver run` exits with after serve()
+        # Set by the `qserver` command: ends the process at once with the
+        # status given. Without it (a node inside a test or another
+        # program), a fatal error stops the node without draining.
+        self.halt: Callable[[int], None] | None = None
+        self.failed = False  # a fatal error happened: nothing more is answered
+        self._previous_handler = None  # the loop's exception handler before start()
         self.connections: set[ClientTcpProtocol] = set()
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
@@ -316,6 +363,8 @@ class Node:
         """Bind the client port (TCP and UDP). Raises OSError if it is taken."""
         loop = asyncio.get_running_loop()
         cfg = self.config
+        self._previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(self._on_loop_exception)
         self._tcp = await loop.create_server(lambda: ClientTcpProtocol(self), cfg.host, cfg.port,
                                              reuse_address=True, backlog=1024)
         host, port = self.address
@@ -351,14 +400,63 @@ class Node:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _fatal(self, exc: BaseException) -> None:
-        """The engine cannot go on (a failed write or fsync): stop in order
-        and exit 1; a restart recovers from what is on disk."""
+    # -- fail-stop -------------------------------------------------------------
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine cannot go on (a write or fsync failed)."""
+        self.fatal(exc, "the storage")
+
+    def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The event loop's exception handler: an exception that escaped a
+        callback (timer, flush, a peer's message, a client's read) means
+        our state may be broken: stop at once."""
+        exc = context.get("exception")
+        if exc is None:  # a warning (e.g. a task destroyed while pending)
+            loop.default_exception_handler(context)
+            return
+        if (isinstance(exc, OSError) and "socket" in context and "handle" not in context
+                and "protocol" not in context):
+            # accept() out of descriptors or memory: the OS's condition, not
+            # our bug; the loop pauses accepting and tries again.
+            log.error("node %d: %s: %s", self.config.node_id, context.get("message"), exc)
+            return
+        self.fatal(exc, _where(context))
+
+    def fatal(self, exc: BaseException, where: str) -> None:
+        """Stop at once after our own fault (a broken invariant, a bug, a
+        failed write): one CRITICAL line names it, the traceback precedes
+        it at ERROR. With `halt` set (the `qserver` command) the process
+        ends here with status 1: nothing drains, nothing more is sent or
+        answered, and what the storage wrote stays in its files (a restart
+        recovers from them, as after kill -9). Otherwise the node aborts
+        every client connection and stops without draining."""
+        if self.failed:
+            return
+        self.failed = True
         self.exit_status = 1
+        origin = ""
+        frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else None
+        if frames:
+            last = frames[-1]
+            origin = f", raised at {_short_path(last.filename)}:{last.lineno} in {last.name}"
+            log.error("node %d: traceback of the fatal error below", self.config.node_id,
+                      exc_info=exc)
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+        log.critical("node %d: fatal: %s; in %s%s; stopping now (exit status 1)",
+                     self.config.node_id, what, where, origin)
+        if self.halt is not None:
+            self.halt(1)
+            return
+        if hasattr(self.engine, "halt"):
+            self.engine.halt()
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()
         self.stop()
 
     async def shutdown(self) -> None:
-        """Stop accepting, finish in-flight answers, close every connection."""
+        """Stop accepting, finish in-flight answers, close every connection
+        (after a fatal error: abort them, without waiting)."""
         if self._gc_timer is not None:
             self._gc_timer.cancel()
         if self._tcp is not None:
@@ -367,13 +465,43 @@ class Node:
             self._udp.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SHUTDOWN_GRACE_S
-        while any(not c.idle for c in self.connections) and loop.time() < deadline:
+        while (not self.failed and any(not c.idle for c in self.connections)
+               and loop.time() < deadline):
             await asyncio.sleep(0.01)
         for c in list(self.connections):
             if c.transport is not None:
-                c.transport.close()
+                if self.failed:
+                    c.transport.abort()
+                else:
+                    c.transport.close()
         if hasattr(self.engine, "close"):
             await self.engine.close()
         if self._tcp is not None:
             await self._tcp.wait_closed()
+        loop.set_exception_handler(self._previous_handler)
         log.info("qserver node %d stopped", self.config.node_id)
+
+
+def _where(context: dict) -> str:
+    """Where an exception the event loop caught came from, in a few words."""
+    handle = context.get("handle")
+    if handle is not None:
+        callback = getattr(handle, "_callback", None)  # asyncio's handles
+        name = getattr(callback, "__qualname__", None)
+        if name is None:  # uvloop's: "<TimerHandle Class.method>"
+            name = repr(handle).strip("<>").split()[-1]
+        kind = "timer" if "Timer" in type(handle).__name__ else "callback"
+        return f"{kind} {name}"
+    protocol = context.get("protocol")
+    if protocol is not None:
+        return f"{type(protocol).__name__} (a connection's callback)"
+    return str(context.get("message") or "an event loop callback")
+
+
+def _short_path(path: str) -> str:
+    """A source path from the package (or tests) down, not the whole path."""
+    for marker in ("/qserver/", "/tests/", "/site-packages/"):
+        at = path.rfind(marker)
+        if at >= 0:
+            return path[at + 1:]
+    return path
