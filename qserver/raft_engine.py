@@ -138,6 +138,10 @@ class DurableJournal(FileJournal):
         self.dir = os.path.dirname(os.path.abspath(path))
         self.dirty = False  # entries written and not yet fsynced
         self.syncs = 0  # fsyncs done (for tests)
+        # A failed fsync: the kernel may have dropped the pages, so no later
+        # fsync can vouch for them; every sync raises it again (and the
+        # node stops: _QueueSync._onTick).
+        self.failed: OSError | None = None
 
     def add(self, command, idx, term):
         super().add(command, idx, term)
@@ -165,10 +169,16 @@ class DurableJournal(FileJournal):
 
     def sync(self) -> None:
         """fsync the journal if anything was written since the last sync."""
+        if self.failed is not None:
+            raise self.failed
         if self.dirty:
+            try:
+                self.flush()  # msync of the mapping
+                _fsync_path(self.path)  # and the file's size
+            except OSError as exc:
+                self.failed = exc
+                raise
             self.dirty = False
-            self.flush()  # msync of the mapping
-            _fsync_path(self.path)  # and the file's size
             self.syncs += 1
 
 
@@ -216,6 +226,11 @@ def _journal_factory(factory: Callable[[str | None], object]):
             _pso.createJournal = original
 
 
+def _raised_in_pysyncobj_thread(exc: BaseException) -> None:
+    """On the loop: re-raise what escaped pysyncobj's tick (see _onTick)."""
+    raise exc
+
+
 class _QueueSync(SyncObj):
     """The SyncObj: one replicated method, which hands each committed command
     to the engine. Holds no state of its own (snapshots come from the store,
@@ -238,6 +253,18 @@ class _QueueSync(SyncObj):
             super().__init__(self_addr, other_addrs, conf, transportClass=_PersistingTransport)
         if self._journal is not None and self._policy is Fsync.BATCH:
             self.addOnTickCallback(self._batch_sync)
+
+    def _onTick(self, timeToWait=0.0):
+        # pysyncobj's thread ticks here (timers, network, applying commits,
+        # our callbacks). pysyncobj would log an exception and tick again,
+        # on state nobody knows any more (a journal whose fsync failed); it
+        # is raised on the event loop instead, whose exception handler
+        # stops the node (server.Node.fatal).
+        try:
+            super()._onTick(timeToWait)
+        except Exception as exc:
+            self._engine._from_thread(_raised_in_pysyncobj_thread, exc)
+            raise
 
     @replicated
     def _commit(self, payload: bytes) -> None:

@@ -97,6 +97,10 @@ SINGLE_NODE_CASES = [
     pytest.param("qserver.store:Store.apply", "InvariantError",
                  '<replication engine="raft"/>', "produce", "ClientTcpProtocol",
                  id="raft-apply"),
+    # pysyncobj's own thread: its fsync=batch tick callback
+    pytest.param("qserver.raft_engine:_QueueSync._batch_sync", "OSError",
+                 '<replication engine="raft"/><storage dir="{data}" fsync="batch"/>', "produce",
+                 "callback _raised_in_pysyncobj_thread", id="raft-thread"),
 ]
 
 
@@ -170,3 +174,27 @@ def test_no_failure_no_trigger_file_runs_as_usual(tmp_path):
     finally:
         node.kill()
     assert critical_lines(node.stderr_text) == []
+
+
+def test_a_failed_raft_journal_fsync_is_never_retried_into_success(tmp_path, monkeypatch):
+    """After a failed fsync the kernel may have dropped the journal's pages:
+    a later fsync that succeeds proves nothing, so every later sync raises
+    the first error (and pysyncobj's tick hands it to the loop: exit 1)."""
+    import errno
+
+    import qserver.raft_engine as raft_engine
+
+    journal = raft_engine.DurableJournal(str(tmp_path / "raft.journal"))
+    journal.add(b"command", 1, 1)
+    real_fsync = raft_engine._fsync_path
+
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(raft_engine, "_fsync_path", failing)
+    with pytest.raises(OSError):
+        journal.sync()
+    monkeypatch.setattr(raft_engine, "_fsync_path", real_fsync)
+    with pytest.raises(OSError):
+        journal.sync()
+    assert journal.syncs == 0
