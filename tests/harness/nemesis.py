@@ -123,8 +123,7 @@ class Nemesis:
     def _one(self, kind: str, hold: float, style: str, pick: float) -> None:
         c = self.cluster
         ids = c.ids
-        m = self._master() if kind in ("kill-master", "kill-slave", "pause-master",
-                                       "isolate-master", "one-way") else None
+        m = self._master() if kind != "kill-all" else None
         master = m if m is not None else self._choose(ids, pick)
         slaves = [i for i in ids if i != master]
         detail = "" if m is not None else "master unknown; "
