@@ -29,6 +29,16 @@ Linux AIO, no thread, no GIL hand-over) or else to a worker thread; one at
 a time. A failed sync stops the node (`on_fatal`); close() waits for one in
 flight and heeds its outcome.
 
+A full disk: the log's current segment is filled with zeros ahead of its
+records (storage.disk), and records are only ever written into that room,
+which is reserved before anything reaches the core: a write (propose) that
+does not fit once the zeros cannot be extended is answered "disk full"
+before it is appended or applied; a slave takes a push whose records do not
+fit as a heartbeat (it answers for what it holds, so the master never counts
+them, and pulls them later). Then writes are refused until a timer
+(DISK_RETRY_S) finds room again. Any other write error (EIO), or a record
+written outside the room, stops the node as before.
+
 Forwarding: a slave relays a client request to the master as a `Forward`
 message over the internal link and relays the `ForwardReply` back; if the
 master is unknown or unreachable the client hears "no leader" at once, and
@@ -38,6 +48,7 @@ if the master does not answer within FORWARD_TIMEOUT_S, "forward timeout".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -54,6 +65,7 @@ from .replication.base import Done, EngineStatus, LeaderInfo
 from .replication.messages import (
     Forward,
     ForwardReply,
+    Push,
     SnapshotAck,
     SnapshotChunk,
     message_from_peer,
@@ -61,7 +73,7 @@ from .replication.messages import (
 )
 from .replication.native import NativeCore, Timing
 from .snapshot_transfer import SnapshotFiles
-from .storage import DiskStorage, KernelSync, StorageError
+from .storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from .store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
@@ -80,6 +92,16 @@ BATCH_SYNC_MS = 5
 # loaded machine does not trigger elections.
 DEFAULT_TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)
 
+
+# A full disk (see "A full disk" above): writes are refused with this reason,
+# and the log is checked for room again this often.
+DISK_FULL = "disk full"
+DISK_RETRY_S = 1.0
+# Room kept in the log beyond what writes reserve, for the records the core
+# writes on its own (a new master's Noop, about 30 bytes each).
+DISK_MARGIN_BYTES = 64 * 1024
+# After a full disk, writes are accepted again once this much room is back.
+DISK_FREE_BYTES = 1024 * 1024
 
 # At close, how long to wait for a sync in flight before leaving the log as a
 # crash would (a disk that no longer answers).
@@ -162,6 +184,11 @@ class ClusterEngine:
         self._sync_epoch = 0
         self._closing = False  # close() began: no new syncs, it waits for the one in flight
         self._failed = False
+        # A full disk: bytes of records reserved in the log's room since the
+        # last flush (see _reserve), and whether writes are refused now.
+        self._reserved = 0
+        self._disk_full = False
+        self._disk_timer: asyncio.TimerHandle | None = None
         self.snapshots = SnapshotFiles(
             core=self.core, storage=storage, node_id=config.node_id, log_size=config.log_size,
             send=self._send_to, step=self._step_now, schedule_flush=self._schedule_flush)
@@ -202,9 +229,12 @@ class ClusterEngine:
         if storage is None:
             return None
         return {"fsync": self.config.fsync.value, "records_written": storage.records_written,
-                "fsyncs": storage.syncs}
+                "fsyncs": storage.syncs, "disk_full": self._disk_full}
 
     def propose(self, entry: Entry, done: Done) -> None:
+        if self.storage is not None and not self._reserve(record_size_bound(entry)):
+            done(None, DISK_FULL)  # before the core: nothing was appended or applied
+            return
         self.core.propose(entry, done)
         self._schedule_flush()
 
@@ -246,6 +276,8 @@ class ClusterEngine:
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._disk_timer is not None:
+            self._disk_timer.cancel()
         if self._batch_timer is not None:
             self._batch_timer.cancel()
         for request_id in list(self._forwards):
@@ -300,6 +332,12 @@ class ClusterEngine:
         if t is SnapshotAck:
             self.snapshots.on_ack(peer_id, msg)
             return
+        if t is Push and msg.records and self.storage is not None:
+            if not self._reserve(sum(record_size_bound(r.entry) for r in msg.records)):
+                # No room to store them: take the push as a heartbeat. We
+                # answer for what we hold, so the master never counts these
+                # records here, and we pull them again once there is room.
+                msg = dataclasses.replace(msg, records=())
         self._step_now(msg)
 
     def _step_now(self, msg: object) -> None:
@@ -358,6 +396,7 @@ class ClusterEngine:
             except StorageError as exc:
                 self._fail(exc)
                 return
+            self._reserved = 0  # what was reserved is written
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0])
         self.snapshots.discard_unwanted()
@@ -503,6 +542,50 @@ class ClusterEngine:
             self._fail(exc)
             return
         self._schedule_flush()
+
+    # -- a full disk -------------------------------------------------------------
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Room in the log for `nbytes` more of records this turn (on top of
+        what was reserved since the last flush, and DISK_MARGIN_BYTES for
+        the records the core writes on its own)? Reserved if so; if the
+        disk is out of space, the node refuses writes until DISK_RETRY_S
+        finds room again."""
+        if self._disk_full or self._failed:
+            return False
+        storage = self.storage
+        total = self._reserved + nbytes
+        if storage.room < total + DISK_MARGIN_BYTES:
+            try:
+                ok = storage.make_room(total + DISK_MARGIN_BYTES)
+            except StorageError as exc:
+                self._fail(exc)
+                return False
+            if not ok:
+                self._disk_full = True
+                log.warning("node %d: disk full in %s: refusing writes (and not storing "
+                            "replicated records) until space is freed; checking every %g s",
+                            self.config.node_id, storage.directory, DISK_RETRY_S)
+                self._disk_timer = self._loop.call_later(DISK_RETRY_S, self._retry_disk)
+                return False
+        self._reserved = total
+        return True
+
+    def _retry_disk(self) -> None:
+        self._disk_timer = None
+        if self._failed or self._closing:
+            return
+        try:
+            ok = self.storage.make_room(self._reserved + DISK_MARGIN_BYTES + DISK_FREE_BYTES)
+        except StorageError as exc:
+            self._fail(exc)
+            return
+        if ok:
+            self._disk_full = False
+            log.warning("node %d: disk space available again in %s: accepting writes",
+                        self.config.node_id, self.storage.directory)
+        else:
+            self._disk_timer = self._loop.call_later(DISK_RETRY_S, self._retry_disk)
 
     def _fail(self, exc: BaseException) -> None:
         """Storage failed: stop serving writes and stop the node loudly

@@ -47,6 +47,18 @@ size, no new blocks). Recovery takes an all-zero rest of a segment for that
 space, not for damage; a segment is trimmed to its records when the log
 rolls past it and at close.
 
+A full disk: those zeros are also the log's reserve. `make_room(n)` makes
+sure n bytes of zeros lie ahead (writing more zeros if needed) and says
+False, without harm, when the file system is out of space (ENOSPC,
+EDQUOT); records written into that room never allocate, so they cannot
+fail for lack of space. The node reserves room before it accepts a write
+(cluster.py) and refuses the write otherwise. A segment roll that finds no
+space for the new segment leaves the records in the current one, past
+segment_bytes. Every other write error (EIO), and a write outside the room
+that meets a full disk, poisons the storage (StorageError) and stops the
+node. On copy-on-write file systems (btrfs, ZFS) an overwrite allocates
+too, so there a full disk still stops the node.
+
 Recovery (`recover()`): the newest valid snapshot plus the log after it.
 A torn tail of the newest segment is cut; any other damage raises
 `StorageError` naming the file and offset. What is cut, set aside or
@@ -103,6 +115,10 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 # log rolls past it and at close.
 PREALLOCATE_BYTES = 1024 * 1024
 _ZEROS = bytes(PREALLOCATE_BYTES)
+
+# errnos that mean "no space": the write may be tried again once space is
+# freed (every other write error stops the node).
+_OUT_OF_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 _SEGMENT_RE = re.compile(r"^log-(\d{20})\.seg$")
 _SNAPSHOT_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
@@ -209,7 +225,6 @@ class DiskStorage:
         self.records_written = 0  # records appended since the node started
         self.syncs = 0  # fsyncs of the log's records so far (monitor shows it)
         self._dir_dirty = False  # files were created or removed since the last fsync of the dir
-        self._preallocating = True  # False once the file system refused to allocate ahead
         self._recovered = False
         self._failed: StorageError | None = None  # set by a failed write: refuse all work
         self._lock_fd = -1
@@ -377,40 +392,53 @@ class DiskStorage:
 
         One write(2) per segment touched: a process crash loses nothing, a
         power loss what came after the last `sync()`. Starts a new segment
-        (fsyncing the full one) once the current holds `segment_bytes`.
+        (fsyncing the full one) once the current holds `segment_bytes`, if
+        there is space for it. Records that fit in the room reserved with
+        `make_room` never allocate; others extend the zeros first.
         Raises InvariantError on a trans_id out of order (our bug),
         StorageError if the write fails. Cost: O(bytes).
         """
         self._check_usable()
         expect = self._next_trans_id
-        frames: list[bytes] = []
-        pending = 0  # bytes in frames
-        seg = self._segments[-1] if self._fd >= 0 else None
-        offsets = self._offsets
+        encoded: list[bytes] = []
         for record in records:
             if record.trans_id != expect:
                 raise InvariantError(f"append of trans_id {record.trans_id}, "
                                      f"{expect} was due")
-            frame = encode_record(record)
-            if seg is None or (seg.size + pending > 0
+            encoded.append(encode_record(record))
+            expect += 1
+        left = sum(map(len, encoded))  # bytes still to place
+        trans_id = self._next_trans_id
+        frames: list[bytes] = []
+        pending = 0  # bytes in frames
+        seg = self._segments[-1] if self._fd >= 0 else None
+        offsets = self._offsets
+        may_roll = True  # False once a roll found no space (not tried again in this call)
+        for frame in encoded:
+            if seg is None or (may_roll and seg.size + pending > 0
                                and seg.size + pending + len(frame) > self.segment_bytes):
                 if frames:
                     self._write(seg, frames, pending)
                     frames, pending = [], 0
-                seg = self._roll(record.trans_id)
-                offsets = self._offsets
+                rolled = self._roll(trans_id, left, required=seg is None)
+                if rolled is None:
+                    may_roll = False
+                else:
+                    seg = rolled
+                    offsets = self._offsets
             offsets.append(seg.size + pending)
             frames.append(frame)
             pending += len(frame)
-            expect += 1
+            left -= len(frame)
+            trans_id += 1
         if frames:
             self._write(seg, frames, pending)
         self._next_trans_id = expect
 
     def _write(self, seg: Segment, frames: list[bytes], size: int) -> None:
         end = seg.size + size
-        if end > seg.allocated:
-            self._preallocate(seg, end)
+        if end > seg.allocated:  # not reserved with make_room: extend the zeros now
+            self._fill_zeros(seg, end + min(PREALLOCATE_BYTES, self.segment_bytes))
         try:
             _pwrite_all(self._fd, b"".join(frames), seg.size)
         except OSError as exc:
@@ -422,27 +450,60 @@ class DiskStorage:
         self._appends += 1
         self.records_written += len(frames)
 
-    def _preallocate(self, seg: Segment, end: int) -> None:
-        """Fill the current segment's file with zeros up to a step
-        (PREALLOCATE_BYTES) past `end`. If that fails (a full disk), the
-        record writes extend the file instead: slower syncs, nothing else
-        changes (and a disk that is really full fails the record write)."""
-        if not self._preallocating:
-            return
-        step = min(PREALLOCATE_BYTES, self.segment_bytes)
-        length = max(end, seg.allocated) + step
+    def _fill_zeros(self, seg: Segment, length: int) -> bool:
+        """Fill the current segment's file with zeros up to `length` bytes
+        (from where its zeros end). Returns False if the file system is out
+        of space (ENOSPC, EDQUOT): the zeros written so far stay, and count.
+        Raises StorageError, poisoning the storage, for any other error (an
+        I/O error: the disk itself is failing)."""
+        at = seg.allocated
         try:
-            at = seg.allocated
             while at < length:
-                n = os.pwrite(self._fd, memoryview(_ZEROS)[:min(step, length - at)], at)
+                n = os.pwrite(self._fd, memoryview(_ZEROS)[:min(PREALLOCATE_BYTES, length - at)],
+                              at)
                 if n <= 0:
                     raise OSError(errno.ENOSPC, "no progress writing zeros")
                 at += n
                 seg.allocated = at
         except OSError as exc:
-            self._preallocating = False
-            log.info("storage: %s: no zeros written ahead of the log (%s); writes extend "
-                     "the file", seg.path, exc.strerror or exc)
+            if exc.errno in _OUT_OF_SPACE:
+                return False
+            raise self._fail(seg.path, at, "write", exc) from exc
+        return True
+
+    @property
+    def room(self) -> int:
+        """Bytes of zeros ahead of the records in the current segment: what
+        the log can take without allocating (see make_room)."""
+        if self._fd < 0:
+            return 0
+        seg = self._segments[-1]
+        return seg.allocated - seg.size
+
+    def make_room(self, nbytes: int) -> bool:
+        """Reserve space for the next `nbytes` of records: make sure the
+        current segment has at least that many zeros ahead of its records
+        (filling up to PREALLOCATE_BYTES more while there is space), starting
+        the segment if there is none (`log-<next_trans_id>.seg`). Returns
+        False if the file system is out of space (nothing is poisoned:
+        records written so far are intact; try again later). Raises
+        StorageError for any other failure (see `_fill_zeros`).
+
+        `append` of records that fit in the room never allocates, so it
+        cannot fail for lack of space (on file systems that overwrite in
+        place: ext4, xfs, tmpfs; not copy-on-write ones such as btrfs or
+        ZFS, where an overwrite allocates too and ENOSPC there stops the
+        node). Cost: nothing when the room is there; else a write of zeros
+        (about PREALLOCATE_BYTES)."""
+        self._check_usable()
+        if self._fd < 0:
+            if self._open_segment(self._next_trans_id, nbytes, required=False) is None:
+                return False
+        if self.room >= nbytes:
+            return True
+        seg = self._segments[-1]
+        self._fill_zeros(seg, seg.size + nbytes + min(PREALLOCATE_BYTES, self.segment_bytes))
+        return self.room >= nbytes
 
     def _trim(self, seg: Segment) -> None:
         """Cut the current segment's file to its records (the space allocated
@@ -455,21 +516,67 @@ class DiskStorage:
         except OSError as exc:
             raise self._fail(seg.path, None, "fsync", exc) from exc
 
-    def _roll(self, first: int) -> Segment:
-        """Close the current segment (trimmed and fsynced: every segment but
-        the last is durable and ends with its last record) and start
-        `log-<first>.seg`."""
-        if self._fd >= 0:
-            self._trim(self._segments[-1])
-            os.close(self._fd)
-            self._fd = -1
-            self._dirty = False
+    def _roll(self, first: int, nbytes: int, *, required: bool) -> Segment | None:
+        """Start `log-<first>.seg`, with zeros for at least `nbytes` of
+        records, as the current segment; the one before is closed trimmed
+        and fsynced first (every segment but the last is durable and ends
+        with its last record). Without the space for the new one, returns
+        None and the current segment stays (records go on past
+        segment_bytes, into the room reserved there), unless `required`
+        (there is no current segment): then StorageError."""
+        return self._open_segment(first, nbytes, required=required)
+
+    def _open_segment(self, first: int, nbytes: int, *, required: bool) -> Segment | None:
+        """Make `log-<first>.seg` the current segment: it is written under a
+        temporary name (zeros for `nbytes` and a step more, less if space
+        runs out), then the current segment is closed (trimmed, fsynced),
+        then it is renamed into place: so a crash never leaves a segment
+        after one that may lack a synced tail. Out of space for `nbytes`:
+        nothing changes and None is returned, or StorageError is raised if
+        `required`."""
         path = self._segment_path(first)
+        tmp = path + _TMP
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
+            if exc.errno in _OUT_OF_SPACE and not required:
+                return None
             raise self._fail(path, None, "create", exc) from exc
         seg = Segment(first, path, 0)
+        previous_fd = self._fd
+        self._fd = fd  # _fill_zeros writes to the current descriptor
+        try:
+            filled = self._fill_zeros(seg, nbytes + min(PREALLOCATE_BYTES, self.segment_bytes))
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(tmp)
+            raise
+        finally:
+            self._fd = previous_fd
+        if not filled and seg.allocated < nbytes:
+            os.close(fd)
+            unlink_quietly(tmp)
+            if required:
+                raise self._fail(path, 0, "write", OSError(errno.ENOSPC,
+                                                           os.strerror(errno.ENOSPC)))
+            return None
+        try:
+            if self._fd >= 0:
+                old = self._segments[-1]
+                self._trim(old)
+                os.close(self._fd)
+                self._fd = -1
+                self._dirty = False
+            os.replace(tmp, path)
+        except OSError as exc:
+            os.close(fd)
+            unlink_quietly(tmp)
+            raise self._fail(path, None, "create", exc) from exc
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(tmp)
+            raise
+        self._fd = fd
         self._segments.append(seg)
         self._offsets = array("Q")
         self._dir_dirty = True

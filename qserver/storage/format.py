@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ..entries import Record, record_from_wire, record_to_wire
+from ..entries import Confirm, Consume, Entry, Produce, Record, record_from_wire, record_to_wire
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -73,6 +73,7 @@ __all__ = [
     "ScanResult",
     "encode_record",
     "encode_records",
+    "record_size_bound",
     "scan",
     "resync",
     "frame_offsets",
@@ -124,6 +125,36 @@ def encode_record(record: Record) -> bytes:
         raise ValueError(f"record {record.trans_id} is {len(payload)} bytes, "
                          f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+# record_size_bound: a frame header, the record's 3-element list header, and
+# trans_id and vote_id as msgpack uint64 at most (9 bytes each).
+_RECORD_OVERHEAD = FRAME_HEADER_BYTES + 1 + 9 + 9
+_INT = 9  # the most bytes msgpack spends on an int below 2**64
+
+
+def _str_bound(text: str) -> int:
+    """The most bytes msgpack spends on `text`: a str32 header and 4 bytes
+    per code point, or 1 for ASCII (str.isascii() is O(1) in CPython)."""
+    return 5 + (len(text) if text.isascii() else 4 * len(text))
+
+
+def record_size_bound(entry: Entry) -> int:
+    """An upper bound on the bytes `encode_record` writes for a record that
+    holds `entry`, whatever its trans_id and vote_id: what the node reserves
+    on disk before it accepts a write (see storage.disk, "A full disk").
+    O(1) for a plain queue (O(k) for k real queues)."""
+    kind = type(entry)
+    if kind is Produce:
+        size = _RECORD_OVERHEAD + 1 + 1 + 5 + _str_bound(entry.data) + 3 * _INT
+        for name, _msg_id in entry.targets:
+            size += 1 + _str_bound(name) + _INT
+        return size
+    if kind is Consume:
+        return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + 2 * _INT
+    if kind is Confirm:
+        return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + _INT
+    return _RECORD_OVERHEAD + 1 + 1  # Noop
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
