@@ -5,26 +5,57 @@ Theory of operation
 -------------------
 `Network` holds n `SimNode`s, each a `NativeCore` plus what the node keeps
 on disk (its log records since its last snapshot, that snapshot, and its
-vote). `step()` delivers the next message or fires the next timer, then
-flushes the stepped node's `Ready` in the order the core asks for (persist
-the vote, the snapshot, the log change, then send, then answer clients).
-Messages go through the wire encoding (message_to_wire/message_from_wire),
-so the codec is exercised too. The network drops (`drop_rate`), delays and
-reorders (each message takes 1..`max_delay_ms`), duplicates (`dup_rate`),
-cuts directed links (`cut`, `isolate`, `partition`, `heal`), and crashes
-and restarts nodes. Like the cluster adapter, a node may collect the Ready
-of several deliveries before flushing it at the end of the instant
-(`batch_rate`); a crash in between loses what was not flushed. Scenarios
-drop (`drop_if`) or park (`hold_if`, `release`) chosen messages, inject a
-stale one (`deliver`), and record what was sent (`sent`).
+vote) and what its adapter (qserver/cluster.py, qserver/snapshot_transfer.py)
+holds in memory. `step()` delivers the next message, fires the next core
+timer, or runs the next adapter or client event, then flushes the stepped
+node's `Ready` in the order the adapter does (persist the vote, the
+snapshot, the log change, then send, answer clients, stream snapshots,
+maybe start a snapshot writer). Messages go through the wire encoding
+(message_to_wire/message_from_wire), so the codec is exercised too. The
+network drops (`drop_rate`), delays and reorders (each message takes
+1..`max_delay_ms`), duplicates (`dup_rate`), cuts directed links (`cut`,
+`isolate`, `partition`, `heal`), and crashes and restarts nodes. Like the
+cluster adapter, a node may collect the Ready of several deliveries before
+flushing it at the end of the instant (`batch_rate`); a crash in between
+loses what was not flushed. Scenarios drop (`drop_if`) or park (`hold_if`,
+`release`) chosen messages, inject a stale one (`deliver`), and record what
+was sent (`sent`).
 
-A crash loses the node's memory, never its disk (fsync=always). A restart
-builds the store from the disk snapshot only and the log from the records
-after it; the core starts with commit_id = applied_id = the snapshot's
-trans_id, so the store must be the snapshot state at that position (it is:
-the snapshot is the state at the log's base). The records after the base
-are applied again when the node learns the commit position from a master,
-or speculatively if it becomes master itself.
+Two configurations (Network arguments):
+- The production one, as `ClusterEngine` builds its core
+  (`external_snapshots=True`, and `deferred_sync=True` in quorum mode, i.e.
+  fsync=always). Snapshots are files: once `log_size` entries are applied
+  past the newest snapshot the node "forks" a writer (a copy of the core,
+  rolled back with `prepare_snapshot`, as the child does) that finishes
+  after `snapshot_write_ms`; the node then adopts the file (it becomes the
+  newest snapshot on disk, the records it covers go) and calls
+  `snapshot_taken`. The core's `snapshot_sends` stream the node's newest
+  file to a slave in 1..`snapshot_chunks` chunks, at most
+  SNAPSHOT_WINDOW_CHUNKS ahead of the slave's acks, in order on the link; a
+  lost chunk or ack is a broken link and drops the stream (the slave's next
+  pull starts it again), as `SnapshotFiles` does. The slave installs the
+  last chunk's file the way `SnapshotFiles._install_received` does: a
+  `Snapshot` whose state is a `SnapshotLoader`, stepped into the core, and
+  the file moved into place by the next flush. Deferred sync: a master's
+  records are written at the flush and fsynced later, by a sync that takes
+  `fsync_ms` and starts at once when `own_sync_urgent` says so, else on the
+  BATCH_SYNC_MS timer (`ClusterEngine._sync_when_due`); `synced_to` arrives
+  when it ends, unless a truncation or an install came in between. Slaves
+  (and a node that is not a deferring master) fsync in the flush.
+- The simulated network's own (both False): a snapshot is a `Snapshot`
+  message built in memory, and every flush is durable.
+
+A crash loses the node's memory and its adapter's state (syncs, timers,
+writers, streams in progress), never its fsynced disk: records written but
+not yet fsynced (only a deferring master has any) survive up to a random
+point (a power loss in the middle of the page cache's write-back), as its
+vote, snapshots and everything synced do. A restart builds the store from
+the disk snapshot only and the log from the records after it; the core
+starts with commit_id = applied_id = the snapshot's trans_id, so the store
+must be the snapshot state at that position (it is: the snapshot is the
+state at the log's base). The records after the base are applied again
+when the node learns the commit position from a master, or speculatively if
+it becomes master itself.
 
 `Checker` checks design.md's invariants 1 to 4 after every delivery and
 every timer (`Network.observe`):
@@ -33,12 +64,21 @@ every timer (`Network.observe`):
 3. log matching: every (trans_id, vote_id) ever written names one entry,
    whose predecessor always has the same vote_id (so, by induction, two
    logs holding the same (trans_id, vote_id) are identical up to it);
-4. every node's applied entries up to its commit position are the global
-   committed sequence (learned from every node's commit_id advances), and
-   its store equals a reference store built from that sequence.
-`Workload` drives client operations on the current master the way
-service.py does (Store.decide_* then NativeCore.propose) and checks
-invariant 6 on what the clients were told.
+4. every node applies, up to its commit position, the global committed
+   sequence (learned from every node's commit_id advances), and its store
+   equals a reference store built from that sequence; so does every
+   snapshot a node writes, installs or restarts from.
+`Workload` is the clients: requests go to a node, which executes them if it
+believes it is master and forwards them to the master it knows otherwise,
+the way service.py does (Store.decide_* then NativeCore.propose, or
+NativeCore.read_index for an answer that appends no entry: a confirm of an
+unknown id, an empty consume). A client whose request got no answer, or an
+"outcome unknown", retries it after a backoff, on the same node or another.
+Every acknowledged answer, writes and reads alike, is held against the
+committed history (invariants 6 and 7): it must rest on a committed
+position, a read must not be older than any answer acknowledged before it
+was asked, and no message is delivered again after its confirm (or a
+confirm answered "unknown id") was acknowledged.
 
 `run_schedule(seed, ...)` runs one random schedule of faults and client
 operations, lets the cluster settle, and checks everything; any failure
@@ -49,17 +89,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import heapq
 import random
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
+from qserver.cluster import BATCH_SYNC_MS
 from qserver.entries import Confirm, Consume, Produce, Record
 from qserver.log import Log
-from qserver.replication.base import LeaderInfo
 from qserver.replication import native
-from qserver.replication.messages import VoteReply, message_from_wire, message_to_wire
+from qserver.replication.base import LeaderInfo
+from qserver.replication.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
 from qserver.replication.native import NativeCore, Role, Timing
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.snapshot_transfer import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
 from qserver.store import Store
 
 START_MS = 1_700_000_000_000
@@ -97,15 +142,53 @@ def message_data(msg) -> str:
     return msg[0] if type(msg) is tuple else msg.data
 
 
+@dataclass(slots=True)
+class _Stream:
+    """A snapshot file being streamed to a slave (snapshot_transfer._Outgoing),
+    counted in chunks."""
+
+    trans_id: int
+    vote_id: int
+    state: list  # the file's content
+    chunks: int
+    acked_at: int  # virtual ms of the last progress
+    sent: int = 0
+    acked: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """SnapshotChunk: a piece of a snapshot file (the last one carries it whole)."""
+
+    vote_id: int
+    trans_id: int
+    log_vote_id: int
+    offset: int  # in chunks
+    last: bool
+    state: list
+
+
+@dataclass(frozen=True, slots=True)
+class _Ack:
+    """SnapshotAck: the slave stored `offset` chunks of the file at trans_id."""
+
+    vote_id: int
+    trans_id: int
+    offset: int
+
+
 @dataclass
 class SimNode:
     node_id: int
     core: NativeCore | None
-    # What this node has "on disk" (survives a crash): log records and vote.
+    # What this node has "on disk": log records, the newest snapshot, the
+    # vote. Records after `synced_upto` are written but not yet fsynced: a
+    # crash may lose them.
     disk_records: list[Record] = field(default_factory=list)
     disk_base: tuple[int, int] = (0, 0)  # (trans_id, vote_id) of the snapshot
     disk_state: list | None = None  # snapshot state at disk_base
     disk_vote: tuple[int, int] = (0, 0)
+    synced_upto: int = 0
     # Checker's view of the store: entries applied (and not reverted), in
     # order, the first at trans_id applied_base + 1.
     applied: list = field(default_factory=list)
@@ -114,6 +197,17 @@ class SimNode:
     verified_upto: int = 0  # applied entries up to here match the committed sequence
     seen_commit: int = 0  # the commit_id last observed
     was_master_of: int = -1  # vote_id in which it was last seen master (-1: not master)
+    # The adapter's state, lost in a crash. `incarnation` tells an event
+    # scheduled before a crash from one scheduled after the restart.
+    incarnation: int = 0
+    sync_busy: bool = False  # a sync off the event loop is under way
+    sync_again: bool = False  # ...and another was asked for meanwhile
+    batch_timer: bool = False  # the BATCH_SYNC_MS timer is armed
+    sync_epoch: int = 0  # bumped by truncations and installs
+    writer: int | None = None  # trans_id of the snapshot a forked writer is writing
+    outgoing: dict[int, _Stream] = field(default_factory=dict)  # snapshot streams, by slave
+    incoming: list | None = None  # [source, trans_id, vote_id, chunks stored]
+    installing: tuple[int, list] | None = None  # a received file, until the flush installs it
 
     def disk_vote_at(self, trans_id: int) -> int | None:
         base_t, base_v = self.disk_base
@@ -130,11 +224,23 @@ class SimNode:
             return self.disk_records[i]
         return None
 
+    def last_written(self) -> int:
+        return self.disk_records[-1].trans_id if self.disk_records else self.disk_base[0]
+
+    def reset_adapter(self) -> None:
+        self.incarnation += 1
+        self.sync_busy = self.sync_again = self.batch_timer = False
+        self.writer = self.incoming = self.installing = None
+        self.outgoing = {}
+
 
 class Network:
     def __init__(self, n: int, seed: int, *, timing: Timing | None = None, async_mode: bool = False,
                  log_size: int = 100_000, sync_rate: int = 100_000, queue_size: int = 1_000_000,
-                 virtual_queues: dict | None = None, check: bool = True) -> None:
+                 virtual_queues: dict | None = None, check: bool = True,
+                 external_snapshots: bool = False, deferred_sync: bool = False,
+                 fsync_ms: tuple[int, int] = (1, 5), snapshot_write_ms: tuple[int, int] = (1, 20),
+                 snapshot_chunks: int = 3) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = START_MS
@@ -144,15 +250,25 @@ class Network:
         self.sync_rate = sync_rate
         self.queue_size = queue_size
         self.virtual_queues = virtual_queues or {}
+        # The production configuration (see the module docstring); as in
+        # ClusterEngine, async mode never defers the master's fsync.
+        self.external_snapshots = external_snapshots
+        self.deferred_sync = deferred_sync and not async_mode
+        self.fsync_ms = fsync_ms  # (min, max) duration of a sync off the event loop
+        self.snapshot_write_ms = snapshot_write_ms  # (min, max) time a forked writer takes
+        self.snapshot_chunks = snapshot_chunks  # a streamed file is 1..this many chunks
         self.ids = list(range(1, n + 1))
         self.nodes: dict[int, SimNode] = {}
-        self.queue: list = []  # heap of (deliver_at, seq, src, dst, wire)
+        self.queue: list = []  # heap of (deliver_at, seq, src, dst, wire or _Chunk/_Ack)
+        self.events: list = []  # heap of (at, seq, node_id or None, incarnation, fn)
+        self.link_clock: dict[tuple[int, int], int] = {}  # snapshot streams keep their order per link
         self.seq = 0
         self.cut: set[tuple[int, int]] = set()  # directed links that drop everything
         self.drop_rate = 0.0
         self.max_delay_ms = 5
         # Scenario hooks, called with (src, dst, message) at delivery time:
-        # `drop_if` drops a message, `hold_if` parks it until release().
+        # `drop_if` drops a message (a snapshot stream's _Chunk or _Ack too,
+        # which breaks the link), `hold_if` parks a message until release().
         self.drop_if = None
         self.hold_if = None
         self.held: list[tuple[int, int, list]] = []
@@ -163,6 +279,9 @@ class Network:
         self.batch_rate = 0.0
         self.dup_rate = 0.0  # chance that a message is delivered twice
         self.dirty: set[int] = set()
+        # Paused nodes (SIGSTOP) and what waits for them to run again:
+        # ("msg", src, wire) or ("event", (node or None, incarnation), handle).
+        self.paused: dict[int, list] = {}
         self.sent: list[tuple[int, int, int, object]] | None = None  # (time, src, dst, msg) when recording
         self.masters_by_vote: dict[int, set[int]] = {}
         self.delivered = 0  # messages delivered (statistics)
@@ -200,7 +319,9 @@ class Network:
                           me=LeaderInfo(node_id=node.node_id, host="127.0.0.1", port=10000 + node.node_id),
                           rng=random.Random(self.rng.random()), now_ms=self.now, timing=self.timing,
                           async_mode=self.async_mode, sync_rate=self.sync_rate,
-                          log_size=self.log_size, vote_id=vote_id, voted_for=voted_for)
+                          log_size=self.log_size, vote_id=vote_id, voted_for=voted_for,
+                          external_snapshots=self.external_snapshots,
+                          deferred_sync=self.deferred_sync)
         return core
 
     def _instrument(self, node: SimNode, store: Store) -> None:
@@ -223,12 +344,16 @@ class Network:
             load_wire(state)
             node.applied = []
             node.applied_base = None  # known after the step, from core.applied_id
-            node.loaded_state = state
+            # A SnapshotLoader is fed from the received file's content.
+            node.loaded_state = state if type(state) is list else node.installing[1]
 
         store.apply, store.revert, store.load_wire = apply_, revert_, load_wire_
 
     def start(self, i: int) -> None:
         node = self.nodes[i]
+        node.reset_adapter()
+        # Recovery fsyncs what it reads back.
+        node.synced_upto = node.last_written()
         node.core = self._make_core(node)
         for p in self.ids:
             if p != i:
@@ -236,11 +361,28 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
-    def crash(self, i: int, *, drop_outgoing: bool = False) -> None:
-        """Stop node i (its disk survives). Messages to it are lost; with
-        `drop_outgoing`, so are the ones it sent that are still in flight
-        (it died before its socket buffers drained)."""
-        self.nodes[i].core = None
+    def crash(self, i: int, *, drop_outgoing: bool = False, keep_unsynced: bool | None = None) -> None:
+        """Stop node i. Its disk survives, except records written and not
+        yet fsynced: all of them stay (`keep_unsynced=True`, a process
+        crash), none (False), or a random prefix (None: a power loss).
+        Messages to it are lost; with `drop_outgoing`, so are the ones it
+        sent that are still in flight (it died before its socket buffers
+        drained). Its peers drop their snapshot streams to it (the link
+        went down)."""
+        node = self.nodes[i]
+        node.core = None
+        node.reset_adapter()
+        self.paused.pop(i, None)
+        unsynced = len(node.disk_records) - sum(1 for r in node.disk_records
+                                                if r.trans_id <= node.synced_upto)
+        if unsynced and keep_unsynced is not True:
+            keep = 0 if keep_unsynced is False else self.rng.randrange(unsynced + 1)
+            if unsynced > keep:
+                del node.disk_records[len(node.disk_records) - (unsynced - keep):]
+                self.stats["unsynced_lost"] += unsynced - keep
+        node.synced_upto = node.last_written()
+        for other in self.nodes.values():
+            other.outgoing.pop(i, None)
         self.dirty.discard(i)
         self.queue = [m for m in self.queue
                       if m[3] != i and not (drop_outgoing and m[2] == i)]
@@ -249,6 +391,38 @@ class Network:
 
     def alive(self, i: int) -> bool:
         return self.nodes[i].core is not None
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP node i: no timer fires, nothing it receives is read, none
+        of its events runs, until `resume`; its peers see silence."""
+        if self.alive(i) and i not in self.paused:
+            if i in self.dirty:  # the loop turn it was in finishes first
+                self._flush(i)
+                self.observe((i,))
+            self.paused[i] = []
+
+    def resume(self, i: int) -> None:
+        """SIGCONT: what arrived meanwhile is read at once, before its overdue
+        timers fire (asyncio runs the callbacks of ready sockets before due
+        timers): peer messages in order, then client requests."""
+        parked = self.paused.pop(i, None)
+        if not parked or not self.alive(i):
+            return
+        for kind, a, b in parked:
+            self.seq += 1
+            if kind == "msg":
+                heapq.heappush(self.queue, (0, self.seq, a, i, b))
+            else:
+                heapq.heappush(self.events, (0, self.seq, *a, b))
+
+    def run_on(self, i: int, fn) -> None:
+        """Run `fn()` on node i now, or when it resumes (a client request
+        waiting in its socket buffer)."""
+        parked = self.paused.get(i)
+        if parked is None:
+            fn()
+        else:
+            parked.append(("event", (None, 0), [fn]))
 
     # -- network faults ----------------------------------------------------
 
@@ -274,25 +448,31 @@ class Network:
             self.seq += 1
             heapq.heappush(self.queue, (self.now + 1, self.seq, src, dst, wire))
 
-    # -- running -----------------------------------------------------------
+    # -- events: the adapter's timers and syncs, clients -------------------
+
+    def schedule(self, delay_ms: int, fn, node: int | None = None) -> list:
+        """Run `fn()` `delay_ms` from now; an event of a node is dropped if
+        the node crashes first. Returns a handle for `cancel`."""
+        self.seq += 1
+        incarnation = self.nodes[node].incarnation if node is not None else 0
+        handle = [fn]
+        heapq.heappush(self.events, (self.now + delay_ms, self.seq, node, incarnation, handle))
+        return handle
+
+    @staticmethod
+    def cancel(handle: list) -> None:
+        handle[0] = None
+
+    # -- the adapter: persisting a Ready, syncs off the loop ----------------
 
     def _flush(self, i: int) -> None:
+        """ClusterEngine._flush: persist, send, answer, stream snapshots,
+        maybe start a snapshot writer."""
         self.dirty.discard(i)
         node = self.nodes[i]
         core = node.core
         ready = core.take_ready()
-        if ready.vote is not None:
-            node.disk_vote = ready.vote
-        if ready.snapshot is not None:
-            # (trans_id, vote_id, state): what storage keeps of a snapshot
-            # installed from the master; the Checker compares the state the
-            # core loaded with the committed sequence.
-            node.disk_base = tuple(ready.snapshot[:2])
-            node.disk_state = ready.snapshot[2] if len(ready.snapshot) > 2 else node.loaded_state
-            node.disk_records = []
-        if ready.truncate_after is not None:
-            node.disk_records = [r for r in node.disk_records if r.trans_id <= ready.truncate_after]
-        node.disk_records.extend(ready.records)
+        self._persist(node, ready)
         stats = self.stats
         if ready.snapshot is not None:
             stats["snapshots"] += 1
@@ -300,6 +480,7 @@ class Network:
             stats["truncations"] += 1
         if self.checker is not None:
             self.checker.on_persist(node, ready)
+        node.installing = None  # a received file the core did not take (discard_unwanted)
         for dst, msg in ready.messages:
             if self.sent is not None:
                 self.sent.append((self.now, i, dst, msg))
@@ -313,43 +494,249 @@ class Network:
                 heapq.heappush(self.queue, (self.now + delay, self.seq, i, dst, wire))
         for answer in ready.answers:
             answer()
+        for peer, trans_id, vote_id in ready.snapshot_sends:
+            self._stream(node, peer, trans_id, vote_id)
+        self._maybe_write(node)
 
-    def step(self) -> bool:
-        """Deliver the next message or fire the next timer; False if idle."""
-        next_msg = self.queue[0][0] if self.queue else None
-        next_timer = min((n.core.next_deadline() for n in self.nodes.values() if n.core), default=None)
-        if next_msg is None and next_timer is None:
+    def _persist(self, node: SimNode, ready) -> None:
+        """ClusterEngine._persist: the vote, a snapshot installed from the
+        master, the log change; then fsync now, or leave it to a sync off
+        the loop (a deferring master)."""
+        core = node.core
+        if ready.vote is not None:
+            node.disk_vote = ready.vote
+        if ready.snapshot is not None:
+            trans_id, vote_id, state = ready.snapshot
+            if type(state) is not list:  # received as a file: SnapshotFiles.install_into
+                if node.installing is None or node.installing[0] != trans_id:
+                    raise SimFailure(f"seed {self.seed}: node {node.node_id} installs a snapshot at "
+                                     f"{trans_id}; the file it received is {node.installing and node.installing[0]}")
+                state = node.installing[1]
+                node.installing = None
+            node.disk_base = (trans_id, vote_id)
+            node.disk_state = state
+            node.disk_records = []
+            node.synced_upto = trans_id
+        if ready.truncate_after is not None and ready.truncate_after < node.last_written():
+            keep = ready.truncate_after
+            node.disk_records = [r for r in node.disk_records if r.trans_id <= keep]
+            node.synced_upto = node.last_written()  # the cut segment is fsynced
+        if ready.snapshot is not None or ready.truncate_after is not None:
+            node.sync_epoch += 1
+        node.disk_records.extend(ready.records)
+        if node.synced_upto < node.last_written():
+            if self.deferred_sync and core.is_master:
+                self._sync_when_due(node)  # its records go out before its own fsync
+            else:
+                node.synced_upto = node.last_written()
+                core.synced_to(node.synced_upto)
+
+    def _sync_when_due(self, node: SimNode) -> None:
+        """ClusterEngine._sync_when_due: at once if our own copy must count
+        now, else by the batch timer."""
+        if node.core.own_sync_urgent(self.now):
+            self._start_sync(node)
+        elif not node.batch_timer:
+            node.batch_timer = True
+            self.schedule(BATCH_SYNC_MS, partial(self._batch_sync, node), node.node_id)
+
+    def _batch_sync(self, node: SimNode) -> None:
+        node.batch_timer = False
+        if node.synced_upto < node.last_written():
+            self._start_sync(node)
+
+    def _start_sync(self, node: SimNode) -> None:
+        if node.sync_busy:
+            node.sync_again = True
+            return
+        last = node.last_written()
+        if node.synced_upto >= last:
+            node.core.synced_to(last)
+            return
+        node.sync_busy = True
+        self.schedule(self.rng.randint(*self.fsync_ms),
+                      partial(self._sync_finished, node, last, node.sync_epoch), node.node_id)
+
+    def _sync_finished(self, node: SimNode, covered: int, epoch: int) -> None:
+        node.sync_busy = False
+        self.stats["deferred_syncs"] += 1
+        if epoch == node.sync_epoch:
+            node.synced_upto = max(node.synced_upto, min(covered, node.last_written()))
+            node.core.synced_to(covered)
+        if node.sync_again:
+            node.sync_again = False
+            self._start_sync(node)
+        elif node.synced_upto < node.last_written():
+            self._sync_when_due(node)
+        self._flush(node.node_id)
+        self.observe((node.node_id,))
+
+    # -- the adapter: snapshot files -----------------------------------------
+
+    def _maybe_write(self, node: SimNode) -> None:
+        """SnapshotFiles.maybe_write: once log_size entries were applied past
+        the newest snapshot, fork a writer. The child's copy of the core is
+        rolled back to the snapshot point with prepare_snapshot, as in
+        SnapshotFiles._fork_snapshot; the file is ready `snapshot_write_ms`
+        later."""
+        if not self.external_snapshots or node.writer is not None:
+            return
+        core = node.core
+        trans_id, vote_id = core.snapshot_point()
+        if trans_id - core.snapshot_id < max(1, self.log_size):
+            return
+        child = copy.copy(core)  # the fork: its own store (without the Checker's hooks) and undo records
+        child.store = Store(queue_size=self.queue_size, virtual_queues=self.virtual_queues)
+        child.store.load_wire(core.store.to_wire())
+        child.undo = deque(core.undo)
+        child.prepare_snapshot(trans_id)
+        state = child.store.to_wire()
+        node.writer = trans_id
+        self.schedule(self.rng.randint(*self.snapshot_write_ms),
+                      partial(self._snapshot_written, node, trans_id, vote_id, state), node.node_id)
+
+    def _snapshot_written(self, node: SimNode, trans_id: int, vote_id: int, state: list) -> None:
+        """SnapshotFiles._snapshot_written with DiskStorage.adopt_snapshot."""
+        node.writer = None
+        if trans_id < node.disk_base[0] or trans_id > node.last_written():
+            self.stats["snapshots_overtaken"] += 1  # an installed one is newer: removed
+            return
+        if self.checker is not None:
+            self.checker.check_state(node, state, trans_id, "snapshot file it wrote")
+        node.disk_base = (trans_id, vote_id)
+        node.disk_state = state
+        node.disk_records = [r for r in node.disk_records if r.trans_id > trans_id]
+        node.synced_upto = max(node.synced_upto, trans_id)
+        node.core.snapshot_taken(trans_id, vote_id)
+        self.stats["snapshots_written"] += 1
+        self._flush(node.node_id)
+        self.observe((node.node_id,))
+
+    def _stream(self, node: SimNode, peer: int, trans_id: int, vote_id: int) -> None:
+        """SnapshotFiles.stream: send our newest snapshot file to `peer`."""
+        current = node.outgoing.get(peer)
+        if current is not None:
+            if current.trans_id == trans_id and self.now - current.acked_at < SNAPSHOT_STALL_S * 1000:
+                return  # under way
+            del node.outgoing[peer]
+        if node.disk_base[0] > trans_id:
+            # A newer file was adopted between the core's decision and this
+            # flush (the Ready waited for the end of the loop turn): the
+            # adapter cannot open the old one, logs it, and the slave's next
+            # pull gets the newer one.
+            self.stats["snapshot_sends_overtaken"] += 1
+            return
+        if node.disk_base != (trans_id, vote_id) or node.disk_state is None:
+            raise SimFailure(f"seed {self.seed}: node {node.node_id} is to stream its snapshot at "
+                             f"{(trans_id, vote_id)}; its newest file is at {node.disk_base}")
+        if not self.alive(peer):
+            return  # the link is down
+        node.outgoing[peer] = _Stream(trans_id, vote_id, node.disk_state,
+                                      chunks=self.rng.randint(1, self.snapshot_chunks), acked_at=self.now)
+        self.stats["snapshot_streams"] += 1
+        self._pump(node, peer)
+
+    def _pump(self, node: SimNode, peer: int) -> None:
+        out = node.outgoing[peer]
+        while out.sent < out.chunks and out.sent - out.acked < SNAPSHOT_WINDOW_CHUNKS:
+            self._send_stream(node.node_id, peer, _Chunk(
+                node.core.vote_id, out.trans_id, out.vote_id, out.sent, out.sent + 1 == out.chunks,
+                out.state))
+            out.sent += 1
+
+    def _send_stream(self, src: int, dst: int, msg) -> None:
+        """A chunk or an ack: like every message on a TCP link, in order."""
+        self.seq += 1
+        at = max(self.now + self.rng.randrange(1, self.max_delay_ms + 1),
+                 self.link_clock.get((src, dst), 0))
+        self.link_clock[(src, dst)] = at
+        heapq.heappush(self.queue, (at, self.seq, src, dst, msg))
+
+    def _link_broke(self, a: int, b: int) -> None:
+        """A stream message was lost: the link went down (ClusterEngine._on_link)."""
+        for x, y in ((a, b), (b, a)):
+            if self.nodes[x].core is not None and self.nodes[x].outgoing.pop(y, None) is not None:
+                self.stats["snapshot_streams_broken"] += 1
+
+    def _on_chunk(self, node: SimNode, src: int, chunk: _Chunk) -> bool:
+        """SnapshotFiles.on_chunk and _install_received; True if the core
+        was stepped."""
+        inc = node.incoming
+        if chunk.offset == 0:
+            inc = node.incoming = [src, chunk.trans_id, chunk.log_vote_id, 0]
+        elif inc is None or inc[0] != src or inc[1] != chunk.trans_id or inc[3] != chunk.offset:
+            return False  # out of step: the master's stream stalls and restarts
+        inc[3] += 1
+        self._send_stream(node.node_id, src, _Ack(node.core.vote_id, chunk.trans_id, inc[3]))
+        if not chunk.last:
             return False
-        if self.dirty and min(t for t in (next_msg, next_timer) if t is not None) > self.now:
+        node.incoming = None
+        loader = node.core.store.snapshot_loader()
+        for name, max_id, msgs in chunk.state:
+            loader.queue(name, max_id)
+            loader.messages(msgs)
+        node.installing = (chunk.trans_id, chunk.state)
+        self.stats["snapshot_files_received"] += 1
+        node.core.step(Snapshot(vote_id=chunk.vote_id, node_id=src, trans_id=chunk.trans_id,
+                                log_vote_id=chunk.log_vote_id, state=loader), self.now)
+        return True
+
+    def _on_ack(self, node: SimNode, src: int, ack: _Ack) -> None:
+        """SnapshotFiles.on_ack."""
+        out = node.outgoing.get(src)
+        if out is None or out.trans_id != ack.trans_id or ack.offset <= out.acked:
+            return
+        out.acked = min(ack.offset, out.sent)
+        out.acked_at = self.now
+        if out.acked >= out.chunks:
+            del node.outgoing[src]
+        else:
+            self._pump(node, src)
+
+    # -- running -----------------------------------------------------------
+
+    def _next_times(self) -> tuple[int | None, int | None, int | None]:
+        next_msg = self.queue[0][0] if self.queue else None
+        paused = self.paused
+        next_timer = min([n.core.next_deadline() for n in self.nodes.values()
+                          if n.core and n.node_id not in paused], default=None)
+        events, nodes = self.events, self.nodes
+        while events:  # cancelled events, and those of a node that crashed since, go
+            _at, _seq, i, incarnation, handle = events[0]
+            if handle[0] is not None and (i is None or (nodes[i].core is not None
+                                                         and nodes[i].incarnation == incarnation)):
+                if i is None or i not in paused:
+                    break
+                paused[i].append(("event", (i, incarnation), handle))  # runs when it resumes
+            heapq.heappop(events)
+        next_event = events[0][0] if events else None
+        return next_msg, next_timer, next_event
+
+    def step(self, times: tuple | None = None) -> bool:
+        """Deliver the next message, fire the next timer or run the next
+        event (`times`: what _next_times just said); False if idle."""
+        next_msg, next_timer, next_event = times or self._next_times()
+        times = [t for t in (next_msg, next_timer, next_event) if t is not None]
+        if not times:
+            return False
+        earliest = min(times)
+        if self.dirty and earliest > self.now:
             for i in sorted(self.dirty):  # the end of this instant's event-loop turn
                 self._flush(i)
             self.observe()
             return True
         before = self.now
-        if next_msg is not None and (next_timer is None or next_msg <= next_timer):
-            at, _, src, dst, wire = heapq.heappop(self.queue)
+        if next_msg == earliest:
+            self._deliver_next()
+        elif next_event == earliest:
+            at, _, _i, _incarnation, handle = heapq.heappop(self.events)
             self.now = max(self.now, at)
-            node = self.nodes[dst]
-            if node.core is None or (src, dst) in self.cut or self.rng.random() < self.drop_rate:
-                return True
-            msg = message_from_wire(wire)
-            if self.drop_if is not None and self.drop_if(src, dst, msg):
-                return True
-            if self.hold_if is not None and self.hold_if(src, dst, msg):
-                self.held.append((src, dst, wire))
-                return True
-            node.core.step(msg, self.now)
-            self.delivered += 1
-            if self.batch_rate and self.rng.random() < self.batch_rate:
-                self.dirty.add(dst)
-            else:
-                self._flush(dst)
-            self.observe((dst,))
+            handle[0]()
         else:
             self.now = max(self.now, next_timer)
             ticked = []
             for n in self.nodes.values():
-                if n.core and n.core.next_deadline() <= self.now:
+                if n.core and n.node_id not in self.paused and n.core.next_deadline() <= self.now:
                     n.core.tick(self.now)
                     self._flush(n.node_id)
                     ticked.append(n.node_id)
@@ -361,6 +748,41 @@ class Network:
         else:
             self._same_instant = 0
         return True
+
+    def _deliver_next(self) -> None:
+        at, _, src, dst, wire = heapq.heappop(self.queue)
+        self.now = max(self.now, at)
+        node = self.nodes[dst]
+        lost = node.core is None or (src, dst) in self.cut or self.rng.random() < self.drop_rate
+        if not lost and dst in self.paused:
+            self.paused[dst].append(("msg", src, wire))  # in its socket buffer
+            return
+        if type(wire) is not list:  # a snapshot stream's chunk or ack
+            if lost or (self.drop_if is not None and self.drop_if(src, dst, wire)):
+                self._link_broke(src, dst)
+                return
+            self.delivered += 1
+            if type(wire) is _Ack:
+                self._on_ack(node, src, wire)
+                return
+            if not self._on_chunk(node, src, wire):
+                return
+        else:
+            if lost:
+                return
+            msg = message_from_wire(wire)
+            if self.drop_if is not None and self.drop_if(src, dst, msg):
+                return
+            if self.hold_if is not None and self.hold_if(src, dst, msg):
+                self.held.append((src, dst, wire))
+                return
+            node.core.step(msg, self.now)
+            self.delivered += 1
+        if self.batch_rate and self.rng.random() < self.batch_rate:
+            self.dirty.add(dst)
+        else:
+            self._flush(dst)
+        self.observe((dst,))
 
     def deliver(self, src: int, dst: int, msg) -> None:
         """Hand `msg` (as if sent by `src`) to `dst` now, through the wire
@@ -380,13 +802,11 @@ class Network:
     def run_to(self, at_ms: int) -> None:
         """Run every event due before `at_ms`, then set the clock to it."""
         while True:
-            next_msg = self.queue[0][0] if self.queue else None
-            next_timer = min((n.core.next_deadline() for n in self.nodes.values() if n.core),
-                             default=None)
-            nxt = min(t for t in (next_msg, next_timer, at_ms) if t is not None)
+            times = self._next_times()
+            nxt = min(t for t in (*times, at_ms) if t is not None)
             if nxt >= at_ms:
                 break
-            self.step()
+            self.step(times)
         self.now = max(self.now, at_ms)
 
     def run_until(self, predicate, max_ms: int = 60_000) -> bool:
@@ -429,6 +849,13 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
+    def read_index(self, i: int, results: list) -> None:
+        """An answer that appends no entry, on node i (service._after_read_index)."""
+        core = self.nodes[i].core
+        core.read_index(lambda result, error: results.append((result, error)))
+        self._flush(i)
+        self.observe((i,))
+
     def converged(self) -> bool:
         """One master that every live node follows, every log identical to
         its log and fully committed and applied everywhere."""
@@ -466,6 +893,7 @@ class Checker:
         self.ref_cache: dict[int, list] = {0: []}
         self.observations = 0
         self.granted: dict[tuple[int, int], int] = {}  # (voter, vote_id) -> candidate
+        self.listeners: list = []  # called with each record as it joins the committed sequence
 
     def fail(self, text: str) -> None:
         raise SimFailure(f"seed {self.net.seed}: t={self.net.now - START_MS}ms: {text}")
@@ -520,8 +948,11 @@ class Checker:
             for record in log.records:
                 self.note_record(node.node_id, record, prev)
                 prev = record.vote_id
-            disk = node.disk_records[len(node.disk_records) - len(log.records):] if log.records else []
-            if list(log.records) != disk:
+            # The log may start before the newest snapshot on disk (not yet
+            # compacted) or after it (compacted past a snapshot in memory).
+            lo = max(log.base_trans_id, node.disk_base[0])
+            if ([r for r in log.records if r.trans_id > lo]
+                    != [r for r in node.disk_records if r.trans_id > lo]):
                 self.fail(f"node {node.node_id}: in-memory log differs from its disk")
 
     # -- invariants 2 and 4 --------------------------------------------------
@@ -574,6 +1005,8 @@ class Checker:
                               f"but {known} was committed there")
             elif t == len(committed) + 1:
                 committed.append(record)
+                for listener in self.listeners:
+                    listener(record)
             else:
                 self.fail(f"node {node.node_id} commits {t} past the known end {len(committed)}")
         node.seen_commit = c
@@ -686,15 +1119,22 @@ class Checker:
         self.check_stores(strict=True)
 
 
-# -- client workload and invariant 6 -------------------------------------------
+# -- clients, and invariants 6 and 7 ---------------------------------------------
 
 
 @dataclass
 class _Produced:
-    targets: tuple
-    ready_ms: int
+    """One client's produce request (its data names it: a retry resends the
+    same data) and the entries masters decided for it, one per attempt."""
+
     retry_ms: int
+    decisions: list = field(default_factory=list)  # Produce entries
+    acked: Produce | None = None  # the decision the client was told about
     acked_at: int | None = None  # event number of the ack
+
+    @property
+    def targets(self) -> tuple:
+        return (self.acked or self.decisions[-1]).targets
 
 
 @dataclass
@@ -704,37 +1144,125 @@ class _Delivery:
     retry_at_ms: int
     queue: str
     msg_id: int
+    data: str
+
+
+@dataclass(eq=False)
+class _Request:
+    """A client request and its attempts. `kind`: produce, consume, confirm."""
+
+    kind: str
+    queue: str
+    produce: ProduceRequest | None = None
+    data: str | None = None  # produce
+    msg_id: int = 0  # confirm
+    max_attempts: int = 1
+    node: int | None = None  # the node the client sent its last attempt to
+    attempts: int = 0
+    live: int = 0  # the attempt whose answer the client waits for (0: none)
+    finished: bool = False  # answered, refused, or given up
+    acked: _Attempt | None = None  # the attempt whose answer was acknowledged
+    outcomes: list = field(default_factory=list)  # per attempt: "ok", a reason, "timeout"
+    executed: list = field(default_factory=list)  # (node, "read" or "write") of each execution
+
+
+@dataclass(eq=False)
+class _Attempt:
+    request: _Request
+    number: int
+    node: int  # where the client sent it
+    target: int  # where it was executed (node, or the master node forwarded it to)
+    entry: object  # the decided entry; None: an answer that appends no entry (a read)
+    trans_id: int = 0  # the entry's position; for a read, the master's last entry
+    vote_id: int = 0  # ...and that entry's vote_id
+    decided_at: int = 0  # event number
+    now_ms: int = 0
+    need: int = 0  # a read: the newest position an answer acknowledged before it rests on
+    answered: bool = False
+    timeout: list | None = None  # the client's timer (Network.schedule handle)
 
 
 RANDOM = object()  # Workload.produce: draw this argument at random
 
 
 class Workload:
-    """Client operations on the current master, as service.py issues them,
-    and what the clients were told. `strict` (quorum mode) checks the
-    delivery guarantees of invariant 6 that async mode does not give."""
+    """Clients, and what they were told. A request goes to a node (at random,
+    or `at_master`); a node that believes it is master executes it
+    (Store.decide_*, then NativeCore.propose, or NativeCore.read_index for
+    an answer that appends no entry, as service.py does), any other node
+    forwards it to the master it knows, if its link to it is up. A client
+    that gets no answer within `timeout_ms`, or an error ("outcome unknown",
+    "not master", "no leader"), retries after a backoff that doubles with
+    each attempt, on the same node (`same_node_rate`; never after "no
+    leader") or another, up to `max_attempts` attempts.
+
+    `strict` (quorum mode) checks what async mode does not promise: every
+    acknowledged answer rests on the committed history. A write's entry is
+    committed at the position it was appended at; a read's state (the
+    master's last entry when it answered) is committed, and no older than
+    anything acknowledged before the read was asked (linearizable); an
+    "unknown id" confirm was answered from a state where the committed
+    history had deleted the message, an empty consume from one where
+    nothing was ready; and no delivery commits after an acknowledged
+    confirm of that message (invariant 6, issue 12)."""
 
     def __init__(self, net: Network, rng: random.Random, *, queues=("a", "b"),
-                 strict: bool = True) -> None:
+                 strict: bool = True, at_master: bool = False, max_attempts: int = 4,
+                 timeout_ms: int = 400, backoff_ms: tuple[int, int] = (20, 250),
+                 same_node_rate: float = 0.5) -> None:
         self.net = net
         self.rng = rng
         self.queues = queues
         self.strict = strict
+        self.at_master = at_master
+        self.max_attempts = max_attempts
+        self.timeout_ms = timeout_ms
+        self.backoff_ms = backoff_ms
+        self.same_node_rate = same_node_rate
         self.events = 0
         self.counter = 0
-        self.produced: dict[str, _Produced] = {}  # data -> what the master decided
-        # A message is (data, queue): a produce to a virtual queue makes one
-        # per real queue, with the same data.
-        self.deliveries: dict[tuple[str, str], list[_Delivery]] = {}  # message -> acknowledged deliveries
-        self.confirmed: dict[tuple[str, str], int] = {}  # message -> event number of the confirm's ack
-        self.answers = {"ok": 0, "error": 0}
+        self.requests: list[_Request] = []
+        self.open_requests = 0
+        self.stopped = False
+        self.produced: dict[str, _Produced] = {}  # data -> its request's decisions
+        # Messages are (queue, msg_id); a produce to a virtual queue makes one per real queue.
+        self.deliveries: dict[tuple[str, int], list[_Delivery]] = {}  # acknowledged deliveries
+        self.confirmed: dict[tuple[str, int], int] = {}  # message -> event number of a confirm's ack
+        self.answers = collections.Counter()
+        # Against the committed history (strict):
+        self.acked_upto = 0  # the newest position an acknowledged answer rests on
+        self.waiting_commit: dict[int, list] = {}  # position -> checks once it is committed
+        self.confirm_pos: dict[tuple[str, int], int] = {}  # message -> position of an acked confirm
+        self.empty_reads: list[tuple[int, str, int]] = []  # (position, queue, now_ms) of acked empty consumes
+        # What the committed history did to each message:
+        self.consumed_at: dict[tuple[str, int], list[int]] = {}
+        self.deleted_at: dict[tuple[str, int], int] = {}
+        self.retry_of: dict[tuple[str, int], int] = {}
+        if net.checker is not None:
+            net.checker.listeners.append(self.on_commit)
 
-    def fail(self, text: str) -> None:
-        raise SimFailure(f"seed {self.net.seed}: t={self.net.now - START_MS}ms: invariant 6: {text}")
+    def fail(self, text: str, invariant: int = 6) -> None:
+        raise SimFailure(f"seed {self.net.seed}: t={self.net.now - START_MS}ms: "
+                         f"invariant {invariant}: {text}")
 
     def _tick(self) -> int:
         self.events += 1
         return self.events
+
+    def idle(self) -> bool:
+        """No request waits for an answer or a retry."""
+        return self.open_requests == 0
+
+    def stop(self) -> None:
+        """The clients go away: no more attempts; what is still open is
+        given up (a late answer is not acknowledged)."""
+        self.stopped = True
+        for req in self.requests:
+            self._finish(req)
+
+    def delivered(self, data: str) -> list[_Delivery]:
+        """The acknowledged deliveries of the messages made from `data`."""
+        return [d for ds in self.deliveries.values() for d in ds if d.data == data]
 
     # -- operations ------------------------------------------------------------
 
@@ -748,14 +1276,9 @@ class Workload:
             self.confirm()
 
     def produce(self, queue: str | None = None, *, retry_s: float | None = None,
-                delay_s: object = RANDOM, ttl_s: object = RANDOM) -> str | None:
-        """Produce a new message (data "m<n>") on the master; returns its
-        data, or None when there is no master or the store refused it.
+                delay_s: object = RANDOM, ttl_s: object = RANDOM, node: int | None = None) -> str:
+        """A client produces a new message (data "m<n>"); returns its data.
         Unset arguments are drawn at random; delay_s/ttl_s None mean none."""
-        m = self.net.master()
-        if m is None:
-            return None
-        core = self.net.core(m)
         rng = self.rng
         if queue is None:
             virtual = sorted(self.net.virtual_queues)
@@ -768,153 +1291,383 @@ class Workload:
             ttl_s = rng.choice((0.3, 1.5)) if retry_s and rng.random() < 0.3 else None
         self.counter += 1
         data = f"m{self.counter}"
-        req = ProduceRequest(queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry_s)
-        entry = core.store.decide_produce(req, self.net.now)
-        if type(entry) is str:
-            return None
-        info = self.produced[data] = _Produced(entry.targets, entry.ready_ms, entry.retry_ms)
-
-        def done(result, error):
-            if error is not None:
-                self.answers["error"] += 1
-                return
-            self.answers["ok"] += 1
-            if tuple(result) != entry.targets:
-                self.fail(f"produce of {data} answered {result}, decided {entry.targets}")
-            info.acked_at = self._tick()
-
-        self._tick()
-        self.net.propose(m, entry, _Callback(done))
+        self.produced[data] = _Produced(retry_ms=round(retry_s * 1000))
+        req = _Request("produce", queue, data=data, produce=ProduceRequest(
+            queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry_s))
+        self._start(req, node)
         return data
 
-    def consume(self, queue: str | None = None) -> None:
-        m = self.net.master()
-        if m is None:
-            return
-        core = self.net.core(m)
-        queue = queue or self.rng.choice(self.queues)
-        entry = core.store.decide_consume(ConsumeRequest(queue=queue), self.net.now)
-        if entry is None or type(entry) is str:
-            return
-        now = self.net.now
-        decided_at = self._tick()
+    def consume(self, queue: str | None = None, *, node: int | None = None) -> _Request:
+        return self._start(_Request("consume", queue or self.rng.choice(self.queues)), node)
 
-        def done(result, error):
-            if error is not None:
-                self.answers["error"] += 1
-                return
-            self.answers["ok"] += 1
+    def confirm(self, key: tuple[str, int] | None = None, *, node: int | None = None) -> _Request | None:
+        """Confirm a delivered message: by default one still in flight, now
+        and then one already confirmed or gone (an unknown id)."""
+        if key is None:
+            keys = sorted(self.deliveries)
+            if not keys:
+                return None
+            candidates = [k for k in keys if self.deliveries[k][-1].retry_at_ms and k not in self.confirmed]
+            if candidates and self.rng.random() < 0.85:
+                key = self.rng.choice(candidates)
+            else:
+                key = self.rng.choice(keys)
+        return self._start(_Request("confirm", key[0], msg_id=key[1]), node)
+
+    # -- attempts ----------------------------------------------------------------
+
+    def _start(self, req: _Request, node: int | None) -> _Request:
+        req.max_attempts = self.max_attempts
+        self.requests.append(req)
+        self.open_requests += 1
+        if node is None:
+            node = self.net.master() if self.at_master else None
+            if node is None:
+                node = self.rng.choice(self.net.ids)
+        self._attempt(req, node)
+        return req
+
+    def _route(self, node: int) -> int | None:
+        """Where a request sent to `node` goes: nowhere if the node is down,
+        itself if it believes it is master, else the master it knows, if
+        its link to it is up (ClusterEngine.forward)."""
+        net = self.net
+        core = net.core(node)
+        if core is None:
+            return None
+        if core.role is Role.MASTER:
+            return node
+        leader = core.leader_id
+        if not leader or leader == node or (node, leader) in net.cut or not net.alive(leader):
+            return None
+        return leader
+
+    def _attempt(self, req: _Request, node: int) -> None:
+        """The client sends attempt number req.attempts + 1 to `node` and
+        starts its timer; a paused node reads it when it resumes."""
+        if req.finished:  # stopped
+            return
+        net = self.net
+        req.attempts += 1
+        req.node = node
+        req.live = number = req.attempts
+        timeout = net.schedule(self.timeout_ms, partial(self._timeout, req, number))
+        if not net.alive(node):
+            self._client_error(req, number, timeout, "connection refused", elsewhere=True)
+            return
+        net.run_on(node, partial(self._receive, req, number, node, timeout))
+
+    def _receive(self, req: _Request, number: int, node: int, timeout: list) -> None:
+        target = self._route(node)
+        if target is None:
+            self._client_error(req, number, timeout, "no leader", elsewhere=True)
+            return
+        self.net.run_on(target, partial(self._execute, req, number, node, target, timeout))
+
+    def _execute(self, req: _Request, number: int, node: int, target: int, timeout: list) -> None:
+        """The master (as far as it knows) decides the request, as service.py does."""
+        net = self.net
+        core = net.core(target)
+        if core is None or core.role is not Role.MASTER:
+            self._client_error(req, number, timeout, "not master", elsewhere=True)
+            return
+        store = core.store
+        if req.kind == "produce":
+            outcome = store.decide_produce(req.produce, net.now)
+        elif req.kind == "consume":
+            outcome = store.decide_consume(ConsumeRequest(queue=req.queue), net.now)
+        else:
+            outcome = store.decide_confirm(ConfirmRequest(queue=req.queue, msg_id=req.msg_id))
+        if type(outcome) is str:  # refused: a definite answer
+            if req.live == number and not req.finished:
+                net.cancel(timeout)
+                req.outcomes.append(outcome)
+                self._finish(req)
+                self.answers["refused"] += 1
+            return
+        att = _Attempt(req, number, node, target, outcome, decided_at=self._tick(),
+                       now_ms=net.now, need=self.acked_upto, timeout=timeout)
+        req.executed.append((target, "read" if outcome is None else "write"))
+        done = partial(self._answered, att)
+        if outcome is None:
+            att.trans_id = core.log.last_trans_id
+            att.vote_id = core.log.vote_id_at(att.trans_id) or 0
+            core.read_index(done)
+        else:
+            if req.kind == "produce":
+                self.produced[req.data].decisions.append(outcome)
+            core.propose(outcome, done)
+            att.trans_id, att.vote_id = core.log.last_trans_id, core.vote_id
+        net._flush(target)
+        net.observe((target,))
+
+    def _client_error(self, req: _Request, number: int, timeout: list, reason: str,
+                      elsewhere: bool = False) -> None:
+        """An error answer to attempt `number`, if the client still waits for it."""
+        if req.live != number or req.finished:
+            return
+        self.net.cancel(timeout)
+        req.outcomes.append(reason)
+        self._retry_later(req, elsewhere)
+
+    def _finish(self, req: _Request) -> None:
+        if not req.finished:
+            req.finished = True
+            req.live = 0
+            self.open_requests -= 1
+
+    def _timeout(self, req: _Request, number: int) -> None:
+        if req.live == number and not req.finished:
+            req.outcomes.append("timeout")
+            self._retry_later(req)
+
+    def _retry_later(self, req: _Request, elsewhere: bool = False) -> None:
+        """Retry after a backoff: on the same node (unless it refused:
+        `elsewhere`) or, now and then, another."""
+        req.live = 0
+        if req.attempts >= req.max_attempts:
+            self._finish(req)
+            self.answers["given_up"] += 1
+            return
+        self.answers["retries"] += 1
+        rng = self.rng
+        node = req.node if not elsewhere and rng.random() < self.same_node_rate else rng.choice(self.net.ids)
+        # The client's backoff doubles with each attempt, up to 1 s (qserver.client.core).
+        delay = min(rng.randint(*self.backoff_ms) << (req.attempts - 1), 1000)
+        self.net.schedule(delay, partial(self._attempt, req, node))
+
+    def _answered(self, att: _Attempt, result, error) -> None:
+        """The node's answer to an attempt (from a Ready's answers)."""
+        if att.answered:
+            self.fail(f"{att.request.kind} attempt answered twice", 7)
+        att.answered = True
+        if att.timeout is not None:
+            self.net.cancel(att.timeout)
+        req = att.request
+        if req.live != att.number or req.finished:
+            self.answers["late"] += 1  # the client gave up on this attempt
+            return
+        net = self.net
+        if error is None and att.target != att.node and (
+                not net.alive(att.node) or (att.target, att.node) in net.cut):
+            error = "master unreachable; outcome unknown"  # the forwarded answer is lost
+        if error is not None:
+            self.answers["error"] += 1
+            req.outcomes.append(error)
+            self._retry_later(req)
+            return
+        self.answers["ok"] += 1
+        req.outcomes.append("ok")
+        self._finish(req)
+        req.acked = att
+        if att.entry is None:
+            self._read_acked(att)
+        elif req.kind == "produce":
+            entry = att.entry
+            if tuple(result) != entry.targets:
+                self.fail(f"produce of {req.data} answered {result}, decided {entry.targets}")
+            info = self.produced[req.data]
+            if info.acked is None:
+                info.acked, info.acked_at = entry, self._tick()
+            self._write_acked(att, f"produce of {req.data}")
+        elif req.kind == "consume":
+            entry = att.entry
             msg_id, data = result
             if msg_id != entry.msg_id:
                 self.fail(f"consume decided {entry}, answered {result}")
-            self._delivered(data, _Delivery(decided_at, now, entry.retry_at_ms, queue, msg_id))
-
-        self.net.propose(m, entry, _Callback(done))
-
-    def confirm(self) -> None:
-        m = self.net.master()
-        if m is None:
-            return
-        candidates = [key for key, ds in self.deliveries.items()
-                      if ds[-1].retry_at_ms and key not in self.confirmed]
-        if not candidates:
-            return
-        key = self.rng.choice(sorted(candidates))
-        last = self.deliveries[key][-1]
-        entry = self.net.core(m).store.decide_confirm(ConfirmRequest(queue=last.queue, msg_id=last.msg_id))
-        if entry is None or type(entry) is str:
-            return
-        self._tick()
-
-        def done(result, error):
-            if error is not None:
-                self.answers["error"] += 1
-                return
-            self.answers["ok"] += 1
+            self._delivered(_Delivery(att.decided_at, att.now_ms, entry.retry_at_ms, req.queue,
+                                      msg_id, data))
+            self._write_acked(att, f"delivery of {req.queue}/{msg_id}")
+        else:
+            key = (req.queue, req.msg_id)
             self.confirmed.setdefault(key, self._tick())
+            self._write_acked(att, f"confirm of {key}")
+            if self.strict:
+                self._confirm_acked(key, att.trans_id)
 
-        self.net.propose(m, entry, _Callback(done))
+    # -- acknowledged answers against the committed history ---------------------
 
-    # -- invariant 6 -----------------------------------------------------------
+    def _write_acked(self, att: _Attempt, what: str) -> None:
+        if self.strict:
+            self._when_committed(att.trans_id, att.vote_id, att.entry, what)
+            self.acked_upto = max(self.acked_upto, att.trans_id)
 
-    def _delivered(self, data: str, d: _Delivery) -> None:
-        info = self.produced.get(data)
+    def _read_acked(self, att: _Attempt) -> None:
+        req = att.request
+        if req.kind == "confirm":
+            key = (req.queue, req.msg_id)
+            self.confirmed.setdefault(key, self._tick())
+            self.answers["read_confirm"] += 1
+        else:
+            self.answers["read_empty"] += 1
+        if not self.strict:
+            return
+        what = (f"confirm of {req.queue}/{req.msg_id} answered 'unknown id'" if req.kind == "confirm"
+                else f"empty consume of {req.queue}")
+        t = att.trans_id
+        if t < att.need:
+            self.fail(f"{what} from the state at trans_id {t}, but an answer acknowledged "
+                      f"before it was asked rests on trans_id {att.need} (a stale read)", 7)
+        self.acked_upto = max(self.acked_upto, t)
+        if req.kind == "confirm":
+            key = (req.queue, req.msg_id)
+
+            def deleted_by_then(key=key, t=t, what=what) -> None:
+                at = self.deleted_at.get(key)
+                if at is None or at > t:
+                    self.fail(f"{what} from the state at trans_id {t}; the committed history "
+                              f"deletes it {'never' if at is None else f'at {at}'}")
+
+            self._when_committed(t, att.vote_id, None, what, deleted_by_then)
+            self._confirm_acked(key, t)
+        else:
+            self._when_committed(t, att.vote_id, None, what)
+            self.empty_reads.append((t, req.queue, att.now_ms))
+
+    def _when_committed(self, t: int, vote_id: int, entry, what: str, then=None) -> None:
+        """Check, once the committed sequence reaches t, that it holds the
+        entry (a write) or an entry of vote_id (a read's state) there."""
+        if t <= len(self.net.checker.committed):
+            self._check_committed(t, vote_id, entry, what, then)
+        else:
+            self.waiting_commit.setdefault(t, []).append((vote_id, entry, what, then))
+
+    def _check_committed(self, t: int, vote_id: int, entry, what: str, then) -> None:
+        if t:
+            record = self.net.checker.committed[t - 1]
+            if record.vote_id != vote_id or (entry is not None and not same(record.entry, entry)):
+                self.fail(f"{what} was acknowledged, resting on trans_id {t} of vote {vote_id}; "
+                          f"the committed entry there is {record}", 7)
+        if then is not None:
+            then()
+
+    def _confirm_acked(self, key: tuple[str, int], t: int) -> None:
+        if t < self.confirm_pos.get(key, t + 1):
+            self.confirm_pos[key] = t
+        for p in self.consumed_at.get(key, ()):
+            if p > t:
+                self.fail(f"{key} delivered at trans_id {p}, after its confirm was acknowledged "
+                          f"at trans_id {t}")
+
+    def on_commit(self, record: Record) -> None:
+        """Checker listener: `record` joined the committed sequence."""
+        t, e = record.trans_id, record.entry
+        kind = type(e)
+        if kind is Produce:
+            for target in e.targets:
+                self.retry_of[target] = e.retry_ms
+        elif kind is Consume:
+            key = (e.queue, e.msg_id)
+            confirmed = self.confirm_pos.get(key)
+            if confirmed is not None and t > confirmed:
+                self.fail(f"{key} delivered at trans_id {t}, after its confirm was acknowledged "
+                          f"at trans_id {confirmed}")
+            before = self.consumed_at.setdefault(key, [])
+            if before and not self.retry_of.get(key):
+                self.fail(f"retry=0 message {key} delivered at trans_id {before[0]} and {t}")
+            before.append(t)
+            if not e.retry_at_ms:
+                self.deleted_at.setdefault(key, t)
+        elif kind is Confirm:
+            self.deleted_at.setdefault((e.queue, e.msg_id), t)
+        waiting = self.waiting_commit.pop(t, None)
+        if waiting:
+            for vote_id, entry, what, then in waiting:
+                self._check_committed(t, vote_id, entry, what, then)
+
+    # -- invariant 6 on what the clients were told --------------------------------
+
+    def _delivered(self, d: _Delivery) -> None:
+        info = self.produced.get(d.data)
         if info is None:
-            self.fail(f"delivered {data!r}, which no client produced")
-        if (d.queue, d.msg_id) not in info.targets:
-            self.fail(f"delivered {data} as {d.queue}/{d.msg_id}; it was produced as {info.targets}")
-        if d.now_ms < info.ready_ms:
-            self.fail(f"{data} delivered at {d.now_ms}, before its ready time {info.ready_ms}")
-        key = (data, d.queue)
+            self.fail(f"delivered {d.data!r}, which no client produced")
+        key = (d.queue, d.msg_id)
+        decisions = [e for e in info.decisions if key in e.targets]
+        if not decisions:
+            self.fail(f"delivered {d.data} as {key}; it was produced as "
+                      f"{[e.targets for e in info.decisions]}")
+        if d.now_ms < min(e.ready_ms for e in decisions):
+            self.fail(f"{d.data} delivered at {d.now_ms}, before its ready time")
         before = self.deliveries.setdefault(key, [])
         if self.strict:
             if not info.retry_ms and before:
-                self.fail(f"retry=0 message {data} delivered twice")
+                self.fail(f"retry=0 message {key} ({d.data}) delivered twice")
             # Acks of two deliveries may arrive out of order (a deposed
             # master can still learn a commit late): order each pair by
             # the decision.
             for other in before:
                 first, second = (other, d) if other.decided_at < d.decided_at else (d, other)
                 if not first.retry_at_ms:
-                    self.fail(f"{data} delivered again after its last delivery")
+                    self.fail(f"{key} ({d.data}) delivered again after its last delivery")
                 if second.now_ms < first.retry_at_ms:
-                    self.fail(f"{data} redelivered at {second.now_ms}, before its retry time "
-                              f"{first.retry_at_ms}")
+                    self.fail(f"{key} ({d.data}) redelivered at {second.now_ms}, before its retry "
+                              f"time {first.retry_at_ms}")
             confirmed = self.confirmed.get(key)
             if confirmed is not None and confirmed < d.decided_at:
-                self.fail(f"{data} delivered after its confirm was acknowledged")
+                self.fail(f"{key} ({d.data}) delivered after its confirm was acknowledged")
         before.append(d)
 
     def final_check(self, master: int) -> None:
-        """After the cluster settled: every acknowledged produce is in the
-        committed sequence with the msg_id its client was told, and is
-        still in the master's store unless a committed delivery or confirm
-        deleted it. (Quorum mode only: async mode may lose acked writes.)"""
+        """After the cluster settled: every acknowledged answer rests on a
+        committed position; every acknowledged produce is in the committed
+        sequence with the msg_ids its client was told, and still in the
+        master's store unless a committed delivery or confirm deleted it;
+        every acknowledged delivery is committed, of the data produced
+        there, not before its ready time; every empty consume was empty in
+        the committed state it was read from. (Quorum mode only: async
+        mode may lose acked writes.)"""
         if not self.strict:
             return
         committed = self.net.checker.committed
-        produced_at: dict[str, tuple[int, tuple]] = {}
-        deleted: dict[tuple[str, int], int] = {}
-        owner: dict[tuple[str, int], str] = {}
+        for t, waiting in sorted(self.waiting_commit.items()):
+            self.fail(f"{waiting[0][2]} was acknowledged, resting on trans_id {t}, which "
+                      f"never committed (the committed sequence ends at {len(committed)})", 7)
+        produce_of: dict[tuple[str, int], Produce] = {}
         consumes: set[tuple[str, int, int]] = set()
         for record in committed:
             e = record.entry
-            if type(e) is Consume:
-                consumes.add((e.queue, e.msg_id, e.retry_at_ms))
             if type(e) is Produce:
-                produced_at[e.data] = (record.trans_id, e.targets)
                 for target in e.targets:
-                    if target in owner:
-                        self.fail(f"msg_id {target} given to {owner[target]} and to {e.data}")
-                    owner[target] = e.data
-            elif type(e) is Consume and not e.retry_at_ms:
-                deleted.setdefault((e.queue, e.msg_id), record.trans_id)
-            elif type(e) is Confirm:
-                deleted.setdefault((e.queue, e.msg_id), record.trans_id)
+                    if target in produce_of:
+                        self.fail(f"msg_id {target} given to {produce_of[target].data} and to {e.data}")
+                    produce_of[target] = e
+            elif type(e) is Consume:
+                consumes.add(e)
         store = self.net.core(master).store
         for data, info in self.produced.items():
-            if info.acked_at is None:
+            if info.acked is None:
                 continue
-            if data not in produced_at:
-                self.fail(f"acknowledged produce {data} ({info.targets}) was lost")
-            _t, targets = produced_at[data]
-            if targets != info.targets:
-                self.fail(f"acknowledged produce {data} was told {info.targets}, committed as {targets}")
-            for queue, msg_id in targets:
-                if (queue, msg_id) in deleted:
+            for queue, msg_id in info.acked.targets:
+                stored = produce_of.get((queue, msg_id))
+                if stored is None or stored.data != data:
+                    self.fail(f"acknowledged produce {data} ({queue}/{msg_id}) was lost")
+                if (queue, msg_id) in self.deleted_at:
                     continue
                 q = store.get(queue)
                 msg = q.messages.get(msg_id) if q is not None else None
                 if msg is None or message_data(msg) != data:
                     self.fail(f"acknowledged {data} ({queue}/{msg_id}) is neither delivered for "
                               f"good, confirmed, nor in the master's store")
-        for (data, _queue), ds in self.deliveries.items():
+        for key, ds in self.deliveries.items():
             for d in ds:
-                if (d.queue, d.msg_id, d.retry_at_ms) not in consumes:
-                    self.fail(f"acknowledged delivery of {data} as {d.queue}/{d.msg_id} was lost")
-                if owner.get((d.queue, d.msg_id)) != data:
-                    self.fail(f"acknowledged delivery of {data} as {d.queue}/{d.msg_id}, "
-                              f"which the committed log gives to {owner.get((d.queue, d.msg_id))}")
+                if Consume(d.queue, d.msg_id, d.retry_at_ms) not in consumes:
+                    self.fail(f"acknowledged delivery of {d.data} as {key} was lost")
+                stored = produce_of.get(key)
+                if stored is None or stored.data != d.data:
+                    self.fail(f"acknowledged delivery of {d.data} as {key}, which the committed "
+                              f"log gives to {stored and stored.data}")
+                if d.now_ms < stored.ready_ms:
+                    self.fail(f"{d.data} delivered at {d.now_ms}, before its ready time {stored.ready_ms}")
+        if self.empty_reads:
+            state = Store(queue_size=self.net.queue_size, virtual_queues=self.net.virtual_queues)
+            at = 0
+            for t, queue, now_ms in sorted(self.empty_reads):
+                while at < t:
+                    state.apply(committed[at].entry)
+                    at += 1
+                if state.decide_consume(ConsumeRequest(queue=queue), now_ms) is not None:
+                    self.fail(f"empty consume of {queue} at {now_ms} acknowledged from the state at "
+                              f"trans_id {t}, where a message was ready", 7)
 
 
 class _Callback(list):
@@ -936,6 +1689,7 @@ class ScheduleStats:
     seed: int
     n: int
     async_mode: bool
+    production: bool
     delivered: int
     elections: int
     committed: int
@@ -944,33 +1698,55 @@ class ScheduleStats:
     counters: dict
 
 
-def run_schedule(seed: int, *, n: int = 3, async_mode: bool = False, chaos_ms: int | None = None,
+FAULT_MIXES = ("mixed", "master_partitions")
+
+
+def run_schedule(seed: int, *, n: int = 3, async_mode: bool = False, production: bool | None = None,
+                 faults: str = "mixed", chaos_ms: int | None = None,
                  settle_ms: int = 30_000) -> ScheduleStats:
     """One seeded schedule: random faults and client operations for
     `chaos_ms` of virtual time, then heal everything, restart every node,
     and require one master that everyone follows with identical state.
-    Any failure raises AssertionError naming the seed."""
+    `production`: the cluster adapter's configuration (external snapshots,
+    deferred sync in quorum mode); None draws it from the seed (three
+    schedules in four). `faults`: "mixed" (every kind), or
+    "master_partitions" (the master cut off again and again while clients
+    retry on it). Any failure raises AssertionError naming the seed."""
+    if faults not in FAULT_MIXES:
+        raise ValueError(f"faults must be one of {FAULT_MIXES}")
     try:
         with compaction_slack(2):
-            return _run_schedule(seed, n, async_mode, chaos_ms, settle_ms)
-    except SimFailure:
-        raise
+            return _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms)
+    except SimFailure as exc:
+        raise SimFailure(f"{exc} [run_schedule({seed}, n={n}, async_mode={async_mode}, "
+                         f"faults={faults!r})]") from exc
     except Exception as exc:  # an InvariantError in the core, or a bug in the sim
-        raise SimFailure(f"seed {seed} (n={n}, async={async_mode}): {type(exc).__name__}: {exc}") from exc
+        raise SimFailure(f"seed {seed} (n={n}, async={async_mode}, faults={faults}): "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
-def _run_schedule(seed, n, async_mode, chaos_ms, settle_ms) -> ScheduleStats:
-    rng = random.Random(f"schedule-{seed}-{n}-{async_mode}")
+def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) -> ScheduleStats:
+    rng = random.Random(f"schedule-{seed}-{n}-{async_mode}-{faults}")
+    if production is None:
+        production = rng.random() < 0.75
     log_size = rng.choice((100_000, 100_000, 40, 10, 4))
     sync_rate = rng.choice((100_000, 100_000, 500, 60))
     net = Network(n, seed, async_mode=async_mode, log_size=log_size, sync_rate=sync_rate,
-                  virtual_queues={"ab": ("a", "b")})
+                  virtual_queues={"ab": ("a", "b")},
+                  external_snapshots=production, deferred_sync=production,
+                  fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30))),
+                  snapshot_write_ms=rng.choice(((1, 5), (5, 60), (40, 400))),
+                  snapshot_chunks=rng.choice((1, 3, 8)))
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
     net.drop_rate = rng.choice((0.0, 0.0, 0.02, 0.1))
     net.batch_rate = rng.choice((0.0, 0.0, 0.5, 0.9))
     net.dup_rate = rng.choice((0.0, 0.0, 0.0, 0.05))
-    work = Workload(net, random.Random(rng.random()), strict=not async_mode)
-    crash_ok = rng.random() < 0.7
+    partitions = faults == "master_partitions"
+    work = Workload(net, random.Random(rng.random()), strict=not async_mode,
+                    max_attempts=rng.choice((1, 3, 6)) if not partitions else 8,
+                    timeout_ms=rng.choice((250, 600, 1500)),
+                    same_node_rate=rng.choice((0.3, 0.7, 0.95)) if not partitions else 0.9)
+    crash_ok = rng.random() < 0.7 and not partitions
     fault_rate = rng.choice((0.2, 0.4, 0.6))
     chaos_ms = chaos_ms if chaos_ms is not None else rng.randrange(2000, 5000)
     end = net.now + chaos_ms
@@ -985,6 +1761,14 @@ def _run_schedule(seed, n, async_mode, chaos_ms, settle_ms) -> ScheduleStats:
         if victim is not None and crash_ok and victim not in crashed and len(crashed) < limit:
             net.crash(victim)
             crashed.add(victim)
+
+    def power_loss() -> None:
+        # Every node at once: only what was fsynced survives (invariant 5).
+        if crash_ok:
+            for i in ids:
+                if i not in crashed:
+                    net.crash(i, drop_outgoing=True)
+                    crashed.add(i)
 
     def restart() -> None:
         if crashed:
@@ -1005,56 +1789,77 @@ def _run_schedule(seed, n, async_mode, chaos_ms, settle_ms) -> ScheduleStats:
         if m is not None:
             net.cut.add((m, rng.choice([i for i in ids if i != m])))  # one way only
 
+    def pause() -> None:
+        # SIGSTOP, mostly of the master, for up to a few election timeouts.
+        victim = net.master() if rng.random() < 0.7 else rng.choice(ids)
+        if victim is not None and net.alive(victim):
+            net.pause(victim)
+            net.schedule(rng.randrange(50, 1500), partial(net.resume, victim))
+
     def set_drop() -> None:
         net.drop_rate = rng.choice((0.0, 0.05, 0.2, 0.5))
 
     def set_delay() -> None:
         net.max_delay_ms = rng.choice((1, 5, 30, 150, 400))
 
-    faults = [  # (weight, action)
-        (10, lambda: net.isolate(rng.choice(ids))),
-        (16, lambda: net.master() is not None and net.isolate(net.master())),
-        (8, lambda: net.partition(set(rng.sample(ids, rng.randrange(1, minority + 1))))),
-        (8, partition_master),
-        (8, lambda: net.cut.add(tuple(rng.sample(ids, 2)))),
-        (5, cut_master_link),
-        (18, net.heal),
-        (6, lambda: crash(rng.choice(ids))),
-        (8, lambda: crash(net.master())),
-        (12, restart),
-        (4, set_drop),
-        (3, set_delay),
-    ]
-    weights = [w for w, _ in faults]
-    actions = [a for _, a in faults]
+    if partitions:
+        faults_table = [
+            (30, lambda: net.master() is not None and net.isolate(net.master())),
+            (15, partition_master),
+            (5, cut_master_link),
+            (30, net.heal),
+            (10, pause),
+        ]
+    else:
+        faults_table = [  # (weight, action)
+            (10, lambda: net.isolate(rng.choice(ids))),
+            (16, lambda: net.master() is not None and net.isolate(net.master())),
+            (8, lambda: net.partition(set(rng.sample(ids, rng.randrange(1, minority + 1))))),
+            (8, partition_master),
+            (8, lambda: net.cut.add(tuple(rng.sample(ids, 2)))),
+            (5, cut_master_link),
+            (18, net.heal),
+            (6, lambda: crash(rng.choice(ids))),
+            (8, lambda: crash(net.master())),
+            (1, power_loss),
+            (4, pause),
+            (12, restart),
+            (4, set_drop),
+            (3, set_delay),
+        ]
+    weights = [w for w, _ in faults_table]
+    actions = [a for _, a in faults_table]
     while net.now < end:
         net.run_to(net.now + rng.randrange(5, 120))
         if rng.random() >= fault_rate:
-            for _ in range(rng.randrange(1, 9)):
+            for _ in range(rng.randrange(1, 6)):
                 work.random_op()
         else:
             rng.choices(actions, weights)[0]()
-    # Settle: heal, restart everyone, a clean network.
+    # Settle: heal, restart everyone, a clean network (the clients retry on).
     net.heal()
     net.drop_rate = 0.0
     net.max_delay_ms = 5
+    for i in sorted(net.paused):
+        net.resume(i)
     for i in sorted(crashed):
         net.start(i)
     if not net.run_until(net.converged, settle_ms):
         raise SimFailure(f"seed {seed}: no convergence {settle_ms} ms after healing: "
                          + "; ".join(f"{i}: {net.core(i).status()} leader={net.core(i).leader_id}"
                                      for i in ids))
-    # The cluster still takes writes, without client retries.
-    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None)
-    if data is None or not net.run_until(lambda: work.produced[data].acked_at is not None, 5_000):
+    # The cluster still takes writes, at its master, without client retries.
+    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master())
+    if not net.run_until(lambda: work.produced[data].acked_at is not None, 5_000):
         raise SimFailure(f"seed {seed}: the settled cluster does not acknowledge a produce")
+    work.stop()
     net.run_until(net.converged, settle_ms)
     net.checker.final_check()
     m = net.master()
     work.final_check(m)
-    return ScheduleStats(seed=seed, n=n, async_mode=async_mode, delivered=net.delivered,
-                         elections=len(net.masters_by_vote), committed=len(net.checker.committed),
+    return ScheduleStats(seed=seed, n=n, async_mode=async_mode, production=production,
+                         delivered=net.delivered, elections=len(net.masters_by_vote),
+                         committed=len(net.checker.committed),
                          acked=sum(1 for p in work.produced.values() if p.acked_at is not None),
                          virtual_ms=net.now - START_MS,
-                         counters=dict(net.stats, answered_ok=work.answers["ok"],
-                                       answered_error=work.answers["error"]))
+                         counters=dict(net.stats, **{f"answers_{k}": v for k, v in work.answers.items()}))
