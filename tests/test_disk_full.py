@@ -192,9 +192,9 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def fill(directory: Path) -> Path:
+def fill(directory: Path, name: str = "filler") -> Path:
     """Take every free byte of the file system holding `directory`."""
-    filler = directory / "filler"
+    filler = directory / name
     block = bytes(64 * 1024)
     with open(filler, "wb") as f:
         try:
@@ -351,3 +351,27 @@ def test_a_slave_with_a_full_disk_does_not_acknowledge(tmp_path, small_fs):
         assert drain(client, "q") == acked
     finally:
         c.stop_all()
+
+
+def test_votes_are_saved_on_a_full_disk(tmp_path, small_fs):
+    """An election must not stop a node whose disk is full: the vote is
+    written over a spare file kept for it, and the next spare takes the
+    space the old vote leaves."""
+    from qserver.storage.recovery import read_vote
+
+    data = small_fs / "data"
+    storage = open_dir(data)
+    storage.save_vote(1, 1)
+    fill(small_fs)
+    for vote_id in range(2, 7):
+        storage.save_vote(vote_id, 2)
+    storage.close()
+    assert read_vote(str(data / "vote")) == (6, 2)
+    (data / "vote.spare").unlink()  # no spare and no space: the node must stop
+    fill(small_fs, "filler2")  # the spare's space too
+    storage = open_dir(data)  # (recover() cannot make a spare either)
+    assert not (data / "vote.spare").exists()
+    with pytest.raises(StorageError):
+        storage.save_vote(7, 1)
+    storage.abandon()
+    assert read_vote(str(data / "vote")) == (6, 2)

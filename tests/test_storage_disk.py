@@ -476,7 +476,8 @@ def test_vote_is_persisted_and_replaced_atomically(tmp_path):
     storage.abandon()
     storage, got = open_dir(tmp_path)
     assert got.vote == (4, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK", "vote"]
+    # no temporary file left; the spare is kept ready for the next vote
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LOCK", "vote", "vote.spare"]
     storage.close()
     vote = tmp_path / "vote"
     vote.write_bytes(vote.read_bytes()[:-1] + b"\0")

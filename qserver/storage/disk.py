@@ -8,6 +8,7 @@ Files in the data directory::
     log-<first trans_id, 20 digits>.seg   record frames, consecutive trans_ids
     snapshot-<trans_id, 20 digits>.snap   the state machine up to trans_id
     vote                                   (vote_id, voted_for)
+    vote.spare                             space kept for the next vote
     *.tmp                                  a write in progress: never read;
                                            recover() removes it
     *.corrupt                              a snapshot recover() set aside
@@ -123,6 +124,12 @@ _OUT_OF_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 _SEGMENT_RE = re.compile(r"^log-(\d{20})\.seg$")
 _SNAPSHOT_RE = re.compile(r"^snapshot-(\d{20})\.snap$")
 _VOTE = "vote"
+# A file kept ready for the next vote, so that a vote can be saved on a full
+# disk (an election must not stop a node whose disk is full): the new vote
+# is written over its bytes (no allocation) and renamed over `vote`, which
+# frees the old vote's block for the next spare. Its content means nothing.
+_VOTE_SPARE = "vote.spare"
+_VOTE_SPARE_BYTES = 4096
 _LOCK = "LOCK"
 _TMP = ".tmp"
 
@@ -359,6 +366,7 @@ class DiskStorage:
             self._dirty = True  # what we read may be in the page cache only
         self._recovered = True
         self.sync()
+        self._make_vote_spare()
         return Recovered(vote, snapshot, records, reports)
 
     # -- the vote ------------------------------------------------------------
@@ -366,9 +374,56 @@ class DiskStorage:
     def save_vote(self, vote_id: int, voted_for: int) -> None:
         """Persist (vote_id, voted_for) atomically and durably, whatever the
         fsync policy: it must be on disk before the vote is granted.
-        Cost: two fsyncs. Raises StorageError if the write fails."""
+        Written over the spare file when there is one, so that it needs no
+        new space (a full disk); otherwise as a new file. Cost: two fsyncs.
+        Raises StorageError if the write fails."""
         self._check_usable()
-        self._write_atomic(_VOTE, [encode_vote(vote_id, voted_for)])
+        data = encode_vote(vote_id, voted_for)
+        if not self._save_vote_in_spare(data):
+            self._write_atomic(_VOTE, [data])
+        self._make_vote_spare()
+
+    def _save_vote_in_spare(self, data: bytes) -> bool:
+        """Write the vote over the spare file's bytes, fsync it, rename it
+        over `vote`, fsync the directory. False if there is no spare."""
+        spare = self._path(_VOTE_SPARE)
+        try:
+            fd = os.open(spare, os.O_WRONLY)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise self._fail(spare, None, "open", exc) from exc
+        try:
+            try:
+                if os.fstat(fd).st_size < len(data):
+                    return False
+                _pwrite_all(fd, data, 0)
+                os.ftruncate(fd, len(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(spare, self._path(_VOTE))
+            self._fsync_dir()
+        except OSError as exc:
+            raise self._fail(self._path(_VOTE), None, "write", exc) from exc
+        return True
+
+    def _make_vote_spare(self) -> None:
+        """Best effort: have a spare ready for the next vote (none on a full
+        disk: that vote then needs a new file, see save_vote)."""
+        spare = self._path(_VOTE_SPARE)
+        if os.path.exists(spare):
+            return
+        try:
+            fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError:
+            return
+        try:
+            _write_all(fd, bytes(_VOTE_SPARE_BYTES))
+        except OSError:
+            unlink_quietly(spare)
+        finally:
+            os.close(fd)
 
     def _write_atomic(self, name: str, pieces: Iterable[bytes]) -> None:
         """Write a file under a temporary name, fsync it, rename it over
