@@ -198,3 +198,47 @@ def test_a_failed_raft_journal_fsync_is_never_retried_into_success(tmp_path, mon
     with pytest.raises(OSError):
         journal.sync()
     assert journal.syncs == 0
+
+
+def test_the_loop_handler_stops_only_for_exceptions_that_are_ours(caplog):
+    """In process: what asyncio reports without an exception (a warning),
+    and accept() failing for lack of descriptors (asyncio's own loop
+    reports it with the listening socket, and pauses accepting), leave the
+    node serving; an exception from a callback stops it, without draining,
+    with exit status 1."""
+    import asyncio
+    import dataclasses
+    import socket
+
+    from qserver.config import Config
+    from qserver.server import Node
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        node = Node(dataclasses.replace(Config.default(), port=0))
+        await node.start()
+        serving = asyncio.create_task(node.serve())
+        try:
+            with socket.socket() as listener:
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(24, "Too many open files"),
+                                             "socket": listener})
+            loop.call_exception_handler({"message": "Task was destroyed but it is pending!"})
+            assert not node.failed and node.exit_status == 0
+
+            def broken() -> None:
+                raise KeyError("lost message")
+
+            loop.call_soon(broken)
+            await asyncio.wait_for(serving, 30)
+            assert node.failed and node.exit_status == 1
+        finally:
+            if not serving.done():
+                node.stop()
+                await serving
+
+    asyncio.run(run())
+    critical = [r for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(critical) == 1
+    assert "KeyError: 'lost message'; in callback" in critical[0].getMessage()
+    assert "broken" in critical[0].getMessage()
