@@ -16,7 +16,8 @@ from qserver.replication.messages import (
     Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire)
 from qserver.replication.native import Role, Timing
 from qserver.requests import ConsumeRequest, ProduceRequest
-from sim import Network, Workload, message_data
+import sim
+from sim import Network, Workload, message_data, run_schedule
 
 E = 300  # the sim's election_ms (Timing(heartbeat_ms=50, election_ms=300, pull_retry_ms=100))
 
@@ -551,3 +552,228 @@ def test_slave_with_newer_but_lost_entries_finds_the_common_point_quickly(seed):
     assert pulls <= 6, f"seed {seed}: {pulls} pulls to find the common point"
     assert not {f"b{k}" for k in range(15)} & all_data(net, b)
     assert net.core(b).store.to_wire() == net.core(a).store.to_wire()
+
+
+# -- answers that append no entry (issue 12) --------------------------------------
+
+
+def request_of(work: Workload, data: str):
+    return next(r for r in work.requests if r.data == data)
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("seed", range(3))
+def test_retried_confirm_on_a_cut_off_master_is_not_acknowledged(seed, n, production):
+    """Issue 12, step by step: a message with retry > 0 is produced and
+    consumed on master M; M is cut off from every slave; the client
+    confirms on M, which appends the confirm and applies it to its store
+    but cannot commit it; the client times out and retries the confirm on
+    M, where the message is now unknown, so the answer appends no entry.
+    M must not acknowledge it (it used to answer code 0 at once; the new
+    master, which never had the confirm, delivered the message again once
+    its retry came due). The client goes on retrying, finds the new
+    master, which commits the confirm; the message is never delivered
+    again and M's lone confirm is truncated."""
+    net = Network(n, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=30, timeout_ms=60,
+                    backoff_ms=(40, 40), same_node_rate=1.0)
+    m = elect(net)
+    data = work.produce("q", retry_s=1, delay_s=None, ttl_s=None)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None, 2_000)
+    consume = work.consume("q")
+    assert net.run_until(lambda: consume.acked is not None, 2_000)
+    key = ("q", work.produced[data].targets[0][1])
+    assert [d.data for d in work.deliveries[key]] == [data]
+    settle(net)
+
+    net.isolate(m)
+    confirm = work.confirm(key, node=m)
+    at = net.core(m).log.last_trans_id
+    lone = net.core(m).log.get(at)
+    assert lone.entry == ("q", key[1]) and key[1] not in net.core(m).store.get("q").messages
+    # The client's retry reaches M while it still believes it is master.
+    assert net.run_until(lambda: (m, "read") in confirm.executed, E)
+    assert net.core(m).role is Role.MASTER
+    m2 = elect(net, m)
+    # The new master commits its own entry at the position of M's lone
+    # confirm (had M acknowledged that read, the Checker fails here), and
+    # the client, retrying, finds it.
+    assert net.run_until(lambda: confirm.finished and net.core(m2).commit_id >= at, 10_000)
+    assert confirm.acked is not None and confirm.acked.target == m2 and confirm.acked.entry is not None
+    reads_on_m = [i for i, (node, kind) in enumerate(confirm.executed) if (node, kind) == (m, "read")]
+    assert reads_on_m and all(confirm.outcomes[i] != "ok" for i in reads_on_m)
+
+    net.heal()
+    # Consumers on the new master, well past the message's retry time.
+    for _ in range(10):
+        work.consume("q", node=m2)
+        net.run_for(150)
+    m = settle(net)
+    assert [d.data for d in work.deliveries[key]] == [data]
+    assert net.checker.committed[at - 1] != lone  # M's lone confirm was undone
+    assert key[1] not in net.core(m).store.get("q").messages
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(4))
+def test_empty_consume_on_a_paused_master_is_not_acknowledged(seed, production):
+    """Master M is paused (SIGSTOP) and cut off; the others elect a new
+    master, which commits a produce. A consume sent to M meanwhile waits in
+    its socket buffer and is read the moment M resumes, before its overdue
+    timers fire: M still believes it is master and knows nothing of the
+    produce, so its queue is empty. That answer (it appends no entry) must
+    not be acknowledged: a consume asked after the produce was
+    acknowledged must not find the queue empty. M answers "outcome
+    unknown" once it has stepped down."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), max_attempts=1, timeout_ms=5_000)
+    m = elect(net)
+    settle(net)
+    net.isolate(m)
+    net.pause(m)
+    m2 = elect(net, m)
+    data = work.produce("q", retry_s=0, delay_s=None, ttl_s=None, node=m2)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None, 2_000)
+    consume = work.consume("q", node=m)
+    net.run_for(100)
+    assert consume.executed == [] and net.core(m).role is Role.MASTER
+    net.resume(m)
+    assert net.run_until(lambda: consume.finished, 3 * E)
+    assert consume.executed == [(m, "read")]
+    assert consume.acked is None and consume.outcomes == [native.OUTCOME_UNKNOWN]
+    net.heal()
+    m = settle(net)
+    assert m == m2
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("n, seeds", [(3, range(0, 60)), (5, range(0, 20))], ids=["3nodes", "5nodes"])
+def test_clients_retrying_through_master_partitions_get_only_committed_answers(n, seeds):
+    """Random schedules (sim.run_schedule, faults="master_partitions") in
+    which the master is cut off, paused or left alone again and again while
+    clients retry on it, mostly on the same node: every acknowledged
+    answer, empty consumes and "unknown id" confirms included, rests on
+    the committed history (before the read index, about half of these
+    schedules acknowledged an answer that a new master then undid)."""
+    failures = []
+    for seed in seeds:
+        try:
+            run_schedule(seed, n=n, faults="master_partitions")
+        except AssertionError as exc:
+            failures.append((seed, str(exc)))
+    assert not failures, f"seeds {[s for s, _ in failures]}; first: {failures[0][1]}"
+
+
+# -- the production configuration: snapshot files, deferred sync -----------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lagging_slave_installs_the_masters_snapshot_file_after_a_broken_stream(seed):
+    """External snapshots: a slave cut off while the master writes 60
+    entries (log_size 10: the master writes snapshot files and compacts
+    its log up to them) comes back behind the master's log. The master
+    streams its newest file; the link breaks at the first chunk (dropped),
+    the stream is dropped, and the slave's next pull starts it again. The
+    slave installs the file (the core gets a SnapshotLoader) and ends with
+    the master's state; its disk then holds that file."""
+    net = Network(3, seed, log_size=10, external_snapshots=True, deferred_sync=True,
+                  snapshot_chunks=6)
+    work = Workload(net, random.Random(seed), at_master=True)
+    m = elect(net)
+    settle(net)
+    s = next(i for i in net.ids if i != m)
+    net.isolate(s)
+    for k in range(60):
+        work.produce("a", retry_s=(0, 1)[k % 2], delay_s=None, ttl_s=None)
+        net.run_for(3)
+    assert net.run_until(lambda: work.idle(), 5_000)
+    assert net.stats["snapshots_written"] >= 2
+    assert net.core(m).log.base_trans_id > net.core(s).log.last_trans_id
+    broken = []
+
+    def drop_first_chunk(src, dst, msg):
+        if type(msg) is sim._Chunk and not broken:
+            broken.append(msg)
+            return True
+        return False
+
+    net.drop_if = drop_first_chunk
+    net.heal()
+    m = settle(net, 20_000)
+    assert broken and net.stats["snapshot_streams_broken"] >= 1
+    assert net.stats["snapshot_streams"] >= 2 and net.stats["snapshot_files_received"] >= 1
+    assert net.core(s).store.to_wire() == net.core(m).store.to_wire()
+    assert net.nodes[s].disk_base[0] >= broken[0].trans_id
+    net.crash(s)
+    net.start(s)  # it restarts from the installed file
+    m = settle(net)
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deferring_master_counts_its_own_copy_only_once_fsynced(seed):
+    """Deferred sync (fsync=always): while both slaves keep up, they alone
+    make the majority, so a write is acknowledged before the master's own
+    fsync (left to the batch timer) has finished. With one slave down, the
+    master's copy is needed: own_sync_urgent starts its fsync at once, and
+    the write is acknowledged only after that fsync covers it."""
+    fsync_ms = 80
+    net = Network(3, seed, external_snapshots=True, deferred_sync=True, fsync_ms=(fsync_ms, fsync_ms))
+    work = Workload(net, random.Random(seed), at_master=True, timeout_ms=10_000)
+    m = elect(net)
+    settle(net)
+
+    def acked_position(data):
+        req = request_of(work, data)
+        assert net.run_until(lambda: req.acked is not None, 1_000)
+        return req.acked.trans_id
+
+    start = net.now
+    t = acked_position(work.produce("q", retry_s=0, delay_s=None, ttl_s=None))
+    assert net.now - start < fsync_ms and net.nodes[m].synced_upto < t
+    net.run_for(200)
+    assert net.nodes[m].synced_upto >= t
+
+    net.crash(next(i for i in net.ids if i != m))
+    net.run_for(200)  # its last answers are older than two heartbeats now
+    start = net.now
+    t = acked_position(work.produce("q", retry_s=0, delay_s=None, ttl_s=None))
+    assert net.now - start >= fsync_ms and net.nodes[m].synced_upto >= t
+    net.start(next(i for i in net.ids if not net.alive(i)))
+    m = settle(net)
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_power_loss_of_every_node_keeps_every_acknowledged_write(seed):
+    """Invariant 5 with deferred sync: every node loses power at once while
+    the master holds acknowledged records that it has written but not yet
+    fsynced (its slaves had fsynced them before answering, which is why
+    they were acknowledged). Those records are gone from the master's disk;
+    the cluster comes back with every acknowledged write."""
+    net = Network(3, seed, log_size=8, external_snapshots=True, deferred_sync=True,
+                  fsync_ms=(30, 60))
+    work = Workload(net, random.Random(seed), at_master=True, timeout_ms=10_000)
+    m = elect(net)
+    settle(net)
+    for k in range(30):
+        work.produce("q", retry_s=(0, 1)[k % 2], delay_s=None, ttl_s=None)
+        if k % 3 == 2:
+            work.consume("q")
+        net.run_for(k % 4)
+
+    def master_lacks_an_acked_write() -> bool:
+        return any(r.acked is not None and r.acked.entry is not None
+                   and r.acked.trans_id > net.nodes[m].synced_upto for r in work.requests)
+
+    assert net.run_until(master_lacks_an_acked_write, 1_000)
+    for i in net.ids:
+        net.crash(i, drop_outgoing=True, keep_unsynced=False)
+    assert net.stats["unsynced_lost"] > 0
+    work.stop()
+    for i in net.ids:
+        net.start(i)
+    m = settle(net)
+    work.final_check(m)
