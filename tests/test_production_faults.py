@@ -256,6 +256,7 @@ MALFORMED_MESSAGES = [
     [2, 1, 1, 0, 0, 0],  # a ping in node 1's name
     [3, 1, 3, 0, 0, "yes"], [8, 1, 3, 1, ["not", "a", "map"]], [9, 1, 3, 1, None],
     [11, 1, 3, 1, 1, 0, "not bytes", True], [10, 1, 3, 1, 1, "state"],
+    [10, 1000, 3, 50, 1000, [["q", "not a queue"]]],  # nodes send snapshots as files only
     [[[[[[[[[[[]]]]]]]]]]],
 ]
 
