@@ -8,7 +8,6 @@ step: test_clock_step.py.)
 from __future__ import annotations
 
 import json
-import os
 import resource
 import secrets
 import select
@@ -118,11 +117,33 @@ def _raise_own_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def test_two_thousand_idle_connections_are_accepted_and_others_served(procs, tmp_path):
-    _raise_own_fd_limit(IDLE_CONNECTIONS + 256)
-    node = start_node(procs, tmp_path)
+def start_with_fd_limit(tmp_path, soft: int, hard: int) -> NodeProcess:
+    """A `qserver run` whose open-file limit starts at (soft, hard)."""
+    port = free_port()
+    path = write_config(tmp_path / "node.xml", port)
+
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    node = NodeProcess.__new__(NodeProcess)
+    node.config_path, node.port = path, port
+    node.stdout_lines, node.stderr_text = [], ""
+    node.proc = subprocess.Popen([sys.executable, "-m", "qserver", "run", "--config", str(path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=set_limit)
+    return node
+
+
+def test_two_thousand_idle_connections_are_accepted_and_others_served(tmp_path):
+    """The node starts with the usual soft open-file limit of 1024, which it
+    raises towards the hard limit (and says so)."""
+    needed = IDLE_CONNECTIONS + 256
+    _raise_own_fd_limit(needed)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    node = start_with_fd_limit(tmp_path, 1024, hard)
     idle: list[socket.socket] = []
     try:
+        node.wait_ready()
         for _ in range(IDLE_CONNECTIONS):
             idle.append(socket.create_connection(("127.0.0.1", node.port), timeout=30))
         # another client is served while they are all open
@@ -142,10 +163,12 @@ def test_two_thousand_idle_connections_are_accepted_and_others_served(procs, tmp
             assert json.loads(buf)["code"] == 0
         assert c.request(action=1, queue="q", data="y")["code"] == 0
         c.close()
+        assert node.proc.poll() is None
     finally:
         for s in idle:
             s.close()
-    assert node.proc.poll() is None
+        node.stop()
+    assert "raised the open-file limit from 1024 to" in node.stderr_text
 
 
 def test_running_out_of_descriptors_pauses_accepting_and_the_node_serves_on(tmp_path):
@@ -153,18 +176,8 @@ def test_running_out_of_descriptors_pauses_accepting_and_the_node_serves_on(tmp_
     when accepting: it must neither die nor spin, and once connections
     close it accepts again."""
     limit = 64
-    port = free_port()
-    path = write_config(tmp_path / "node.xml", port)
-
-    def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-    proc = subprocess.Popen([sys.executable, "-m", "qserver", "run", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=low_limit)
-    node = NodeProcess.__new__(NodeProcess)
-    node.config_path, node.port, node.proc = path, port, proc
-    node.stdout_lines, node.stderr_text = [], ""
+    node = start_with_fd_limit(tmp_path, limit, limit)
+    port, proc = node.port, node.proc
     conns: list[socket.socket] = []
     try:
         node.wait_ready()
