@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import msgpack
 import pysyncobj.syncobj as _pso
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj import FAIL_REASON, SyncObjConf, replicated
 from pysyncobj.dns_resolver import globalDnsResolver
 from pysyncobj.journal import FileJournal, MemoryJournal
 from pysyncobj.node import TCPNode
@@ -68,6 +68,7 @@ from pysyncobj.transport import TCPTransport
 from .config import Config, Fsync
 from .entries import Entry, Noop
 from .peers import PeerNetwork
+from .raft_appends import RaftAppends
 from .replication.base import Done, EngineStatus, LeaderInfo
 from .replication.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from .replication.raft import OUTCOME_UNKNOWN, RaftMachine
@@ -231,10 +232,11 @@ def _raised_in_pysyncobj_thread(exc: BaseException) -> None:
     raise exc
 
 
-class _QueueSync(SyncObj):
-    """The SyncObj: one replicated method, which hands each committed command
-    to the engine. Holds no state of its own (snapshots come from the store,
-    through the engine's serializer hooks)."""
+class _QueueSync(RaftAppends):
+    """The SyncObj (with Raft's append rules: raft_appends): one replicated
+    method, which hands each committed command to the engine. Holds no state
+    of its own (snapshots come from the store, through the engine's
+    serializer hooks)."""
 
     def __init__(self, engine: "RaftEngine", self_addr: str, other_addrs: list[str],
                  conf: SyncObjConf) -> None:
