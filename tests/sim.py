@@ -60,7 +60,8 @@ it becomes master itself.
 `Checker` checks design.md's invariants 1 to 4 after every delivery and
 every timer (`Network.observe`):
 1. at most one master per vote_id;
-2. a node that becomes master holds every entry committed so far;
+2. a node that becomes master holds every entry committed so far under
+   earlier vote_ids;
 3. log matching: every (trans_id, vote_id) ever written names one entry,
    whose predecessor always has the same vote_id (so, by induction, two
    logs holding the same (trans_id, vote_id) are identical up to it);
@@ -1031,9 +1032,15 @@ class Checker:
         if base > len(committed) or (base and committed[base - 1].vote_id != log.base_vote_id):
             self.fail(f"invariant 2: new master {node.node_id} has a log base {base} that is "
                       f"not a committed position (committed end {len(committed)})")
+        vote_id = node.core.vote_id
         for t in range(base + 1, len(committed) + 1):
-            record = log.get(t)
             known = committed[t - 1]
+            if known.vote_id >= vote_id:
+                # Committed under a later vote_id: this master is stale (it
+                # won an old election whose votes reached it late, e.g. after
+                # a pause) and can neither commit nor confirm a read.
+                break
+            record = log.get(t)
             if record is None or record.vote_id != known.vote_id or not same(record.entry, known.entry):
                 self.fail(f"invariant 2: node {node.node_id} became master of vote "
                           f"{node.core.vote_id} without committed entry {known} (has {record})")
