@@ -850,13 +850,6 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
-    def read_index(self, i: int, results: list) -> None:
-        """An answer that appends no entry, on node i (service._after_read_index)."""
-        core = self.nodes[i].core
-        core.read_index(lambda result, error: results.append((result, error)))
-        self._flush(i)
-        self.observe((i,))
-
     def converged(self) -> bool:
         """One master that every live node follows, every log identical to
         its log and fully committed and applied everywhere."""
@@ -1677,17 +1670,6 @@ class Workload:
                               f"trans_id {t}, where a message was ready", 7)
 
 
-class _Callback(list):
-    """A results list for Network.propose that calls `done` instead."""
-
-    def __init__(self, done) -> None:
-        super().__init__()
-        self.done = done
-
-    def append(self, item) -> None:
-        self.done(*item)
-
-
 # -- random schedules -------------------------------------------------------------
 
 
@@ -1741,7 +1723,7 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
     net = Network(n, seed, async_mode=async_mode, log_size=log_size, sync_rate=sync_rate,
                   virtual_queues={"ab": ("a", "b")},
                   external_snapshots=production, deferred_sync=production,
-                  fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30))),
+                  fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30), (20, 120))),
                   snapshot_write_ms=rng.choice(((1, 5), (5, 60), (40, 400))),
                   snapshot_chunks=rng.choice((1, 3, 8)))
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
