@@ -215,6 +215,41 @@ def _bool(value: object, what: str) -> bool:
     return value
 
 
+# How deep a forwarded request or answer may nest: orjson encodes no deeper
+# (a deeper answer could not reach the client anyway); walked without
+# recursion, so a peer's deep map costs no stack.
+MAX_JSON_DEPTH = 254
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_map(value: object, what: str) -> dict:
+    """A forwarded request or answer: a map that JSON can carry (string
+    keys; strings, numbers, booleans, null, lists and maps of them), so
+    that relaying it to a client cannot fail; msgpack also has bytes,
+    integer keys and extension types."""
+    if type(value) is not dict:
+        raise ValueError(f"{what} must be a map")
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH}")
+        if type(item) is dict:
+            for key, v in item.items():
+                if type(key) is not str:
+                    raise ValueError(f"{what} has a key that is not a string")
+                if type(v) not in _JSON_SCALARS:
+                    stack.append((v, depth + 1))
+        elif type(item) is list:
+            for v in item:
+                if type(v) not in _JSON_SCALARS:
+                    stack.append((v, depth + 1))
+        elif type(item) not in _JSON_SCALARS:
+            raise ValueError(f"{what} holds a {type(item).__name__}, which JSON cannot carry")
+    return value
+
+
 def message_from_wire(obj: object) -> Message:
     """Decode and validate a peer's message; raises ValueError."""
     if not isinstance(obj, (list, tuple)) or len(obj) < 3:
@@ -259,15 +294,11 @@ def message_from_wire(obj: object) -> Message:
         return Pull(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
                     log_vote_id=_n(obj[4], "log_vote_id"))
     if tag == 8 and n == 5:
-        if type(obj[4]) is not dict:
-            raise ValueError("forwarded request must be a map")
         return Forward(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
-                       request=obj[4])
+                       request=_json_map(obj[4], "forwarded request"))
     if tag == 9 and n == 5:
-        if type(obj[4]) is not dict:
-            raise ValueError("forwarded response must be a map")
         return ForwardReply(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
-                            response=obj[4])
+                            response=_json_map(obj[4], "forwarded response"))
     if tag == 11 and n == 8:
         if type(obj[6]) is not bytes:
             raise ValueError("snapshot chunk data must be bytes")

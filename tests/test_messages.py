@@ -1,0 +1,84 @@
+"""Node-to-node messages: every message survives its wire form, and what a
+peer sends is validated where it enters (replication.messages)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from qserver.entries import Produce, Record
+from qserver.replication.messages import (
+    MAX_JSON_DEPTH,
+    Forward,
+    ForwardReply,
+    Hello,
+    Ping,
+    Pull,
+    Push,
+    PushReply,
+    SnapshotAck,
+    SnapshotChunk,
+    VoteReply,
+    VoteRequest,
+    message_from_peer,
+    message_from_wire,
+    message_to_wire,
+)
+
+RECORD = Record(trans_id=5, vote_id=2, entry=Produce(
+    targets=(("q", 1),), data="x", ready_ms=1, ttl_ms=2, retry_ms=0))
+
+MESSAGES = [
+    Hello(vote_id=1, node_id=2, client_host="127.0.0.1", client_port=1111),
+    Ping(vote_id=1, node_id=2, leader_id=3, last_vote_id=1, last_trans_id=9),
+    VoteRequest(vote_id=4, node_id=2, last_vote_id=1, last_trans_id=9, pre=True),
+    VoteReply(vote_id=4, node_id=2, granted=False, pre=False),
+    Push(vote_id=2, node_id=1, prev_vote_id=2, prev_trans_id=4, records=(RECORD,),
+         commit_id=4, last_trans_id=5, read_round=7),
+    PushReply(vote_id=2, node_id=3, match_id=5, read_round=7),
+    Pull(vote_id=2, node_id=3, trans_id=4, log_vote_id=1),
+    Forward(vote_id=2, node_id=3, request_id=8, request={"action": 1, "queue": "q",
+                                                         "data": "x", "tags": [1, 2.5, None]}),
+    ForwardReply(vote_id=2, node_id=1, request_id=8, response={"code": 0, "msg_id": 3,
+                                                               "nested": {"a": [True]}}),
+    SnapshotChunk(vote_id=2, node_id=1, trans_id=9, log_vote_id=2, offset=0, data=b"ab",
+                  last=True),
+    SnapshotAck(vote_id=2, node_id=3, trans_id=9, offset=2),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_survives_its_wire_form(msg):
+    wire = msgpack.unpackb(msgpack.packb(message_to_wire(msg), use_bin_type=True), raw=False)
+    assert message_from_wire(wire) == msg
+
+
+def test_push_and_reply_of_the_release_before_read_rounds_are_accepted():
+    push = message_to_wire(MESSAGES[4])[:-1]
+    reply = message_to_wire(MESSAGES[5])[:-1]
+    assert message_from_wire(push).read_round == 0
+    assert message_from_wire(reply).read_round == 0
+
+
+@pytest.mark.parametrize("tag, field", [(8, "forwarded request"), (9, "forwarded response")])
+@pytest.mark.parametrize("bad, problem", [
+    ({"action": 1, "data": b"raw bytes"}, "holds a bytes"),
+    ({1: "int key"}, "key that is not a string"),
+    ({"x": [{"y": msgpack.ExtType(1, b"z")}]}, "holds a ExtType"),
+    ("not a map", "must be a map"),
+])
+def test_forwarded_maps_must_be_json(tag, field, bad, problem):
+    with pytest.raises(ValueError, match=f"{field}.*{problem}|{field} {problem}"):
+        message_from_wire([tag, 1, 2, 5, bad])
+    assert "dropped" not in str(message_from_peer(2, [tag, 1, 2, 5, bad]))
+    assert isinstance(message_from_peer(2, [tag, 1, 2, 5, bad]), str)
+
+
+def test_forwarded_maps_may_not_nest_without_bound():
+    deep: dict = {}
+    node = deep
+    for _ in range(MAX_JSON_DEPTH + 2):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ValueError, match="nests deeper"):
+        message_from_wire([9, 1, 2, 5, deep])
