@@ -1223,7 +1223,6 @@ class Workload:
         self.counter = 0
         self.requests: list[_Request] = []
         self.open_requests = 0
-        self.stopped = False
         self.produced: dict[str, _Produced] = {}  # data -> its request's decisions
         # Messages are (queue, msg_id); a produce to a virtual queue makes one per real queue.
         self.deliveries: dict[tuple[str, int], list[_Delivery]] = {}  # acknowledged deliveries
@@ -1256,7 +1255,6 @@ class Workload:
     def stop(self) -> None:
         """The clients go away: no more attempts; what is still open is
         given up (a late answer is not acknowledged)."""
-        self.stopped = True
         for req in self.requests:
             self._finish(req)
 
