@@ -30,7 +30,7 @@ Two configurations (Network arguments):
   after `snapshot_write_ms`; the node then adopts the file (it becomes the
   newest snapshot on disk, the records it covers go) and calls
   `snapshot_taken`. The core's `snapshot_sends` stream the node's newest
-  file to a slave in 1..`snapshot_chunks` chunks, at most
+  file to a slave in `snapshot_chunks` (a range) chunks, at most
   SNAPSHOT_WINDOW_CHUNKS ahead of the slave's acks, in order on the link; a
   lost chunk or ack is a broken link and drops the stream (the slave's next
   pull starts it again), as `SnapshotFiles` does. The slave installs the
@@ -241,7 +241,7 @@ class Network:
                  virtual_queues: dict | None = None, check: bool = True,
                  external_snapshots: bool = False, deferred_sync: bool = False,
                  fsync_ms: tuple[int, int] = (1, 5), snapshot_write_ms: tuple[int, int] = (1, 20),
-                 snapshot_chunks: int = 3) -> None:
+                 snapshot_chunks: tuple[int, int] = (1, 3)) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = START_MS
@@ -257,7 +257,7 @@ class Network:
         self.deferred_sync = deferred_sync and not async_mode
         self.fsync_ms = fsync_ms  # (min, max) duration of a sync off the event loop
         self.snapshot_write_ms = snapshot_write_ms  # (min, max) time a forked writer takes
-        self.snapshot_chunks = snapshot_chunks  # a streamed file is 1..this many chunks
+        self.snapshot_chunks = snapshot_chunks  # (min, max) chunks of a streamed file
         self.ids = list(range(1, n + 1))
         self.nodes: dict[int, SimNode] = {}
         self.queue: list = []  # heap of (deliver_at, seq, src, dst, wire or _Chunk/_Ack)
@@ -269,7 +269,7 @@ class Network:
         self.max_delay_ms = 5
         # Scenario hooks, called with (src, dst, message) at delivery time:
         # `drop_if` drops a message (a snapshot stream's _Chunk or _Ack too,
-        # which breaks the link), `hold_if` parks a message until release().
+        # which breaks the link), `hold_if` parks one until release().
         self.drop_if = None
         self.hold_if = None
         self.held: list[tuple[int, int, list]] = []
@@ -633,7 +633,7 @@ class Network:
         if not self.alive(peer):
             return  # the link is down
         node.outgoing[peer] = _Stream(trans_id, vote_id, node.disk_state,
-                                      chunks=self.rng.randint(1, self.snapshot_chunks), acked_at=self.now)
+                                      chunks=self.rng.randint(*self.snapshot_chunks), acked_at=self.now)
         self.stats["snapshot_streams"] += 1
         self._pump(node, peer)
 
@@ -761,6 +761,9 @@ class Network:
         if type(wire) is not list:  # a snapshot stream's chunk or ack
             if lost or (self.drop_if is not None and self.drop_if(src, dst, wire)):
                 self._link_broke(src, dst)
+                return
+            if self.hold_if is not None and self.hold_if(src, dst, wire):
+                self.held.append((src, dst, wire))
                 return
             self.delivered += 1
             if type(wire) is _Ack:
@@ -1723,7 +1726,7 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                   external_snapshots=production, deferred_sync=production,
                   fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30), (20, 120))),
                   snapshot_write_ms=rng.choice(((1, 5), (5, 60), (40, 400))),
-                  snapshot_chunks=rng.choice((1, 3, 8)))
+                  snapshot_chunks=rng.choice(((1, 1), (1, 3), (1, 8))))
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
     net.drop_rate = rng.choice((0.0, 0.0, 0.02, 0.1))
     net.batch_rate = rng.choice((0.0, 0.0, 0.5, 0.9))
