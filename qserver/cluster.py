@@ -406,7 +406,7 @@ class ClusterEngine:
                 return
             self._reserved = 0  # what was reserved is written
         elif ready.snapshot is not None:
-            self.snapshots.keep_installed(ready.snapshot[0])
+            self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
         self.snapshots.discard_unwanted()
         if self.net is not None and ready.messages:
             self._send_all(ready.messages)
@@ -440,7 +440,7 @@ class ClusterEngine:
         if ready.snapshot is not None:
             trans_id, vote_id, state = ready.snapshot
             if isinstance(state, SnapshotLoader):  # received as a file: move it in place
-                self.snapshots.install_into(storage, trans_id)
+                self.snapshots.install_into(storage, trans_id, state)
             else:
                 storage.install_snapshot(trans_id, vote_id, state)
         if ready.truncate_after is not None:

@@ -15,9 +15,12 @@ message is large and the master's loop never blocks on it.
 
 Receiving: the slave writes the pieces to a temporary file, checks the
 whole (crc), builds its store from it chunk by chunk, and hands the core a
-Snapshot whose state is that store; the adapter then installs the file as
-the node's newest snapshot (`installing`). A node without a data directory
-keeps its snapshot files in a private temporary directory.
+Snapshot whose state is that store; the adapter then installs the file the
+core took as the node's newest snapshot (`received` holds every file
+received since the last flush: two streams, e.g. a deposed master's and the
+new master's, can end in one loop turn, and the core takes at most one of
+them). A node without a data directory keeps its snapshot files in a
+private temporary directory.
 
 Only the cluster adapter (qserver.cluster) uses this; it routes
 SnapshotChunk and SnapshotAck messages here and carries out the core's
@@ -50,6 +53,7 @@ from .storage import (
     unlink_quietly,
     write_snapshot_file,
 )
+from .store import SnapshotLoader
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 
@@ -148,7 +152,10 @@ class SnapshotFiles:
         self._retry_at = 0.0  # no new writer before this (monotonic s) after a failure
         self._outgoing: dict[int, _Outgoing] = {}  # streams to slaves, by node id
         self._incoming: _Incoming | None = None  # the stream from the master
-        self.installing: tuple[str, int] | None = None  # a received file, until installed
+        # Files received since the last flush, each with the loader (the
+        # store built from it) that was stepped into the core as the
+        # Snapshot's state: the flush installs the one the core took.
+        self.received: list[tuple[SnapshotLoader, str, int]] = []
         self.stats = {"taken": 0, "failed": 0, "last_pause_ms": None, "max_pause_ms": None,
                       "last_write_ms": None, "sent": 0, "installed": 0}
 
@@ -163,21 +170,31 @@ class SnapshotFiles:
         info["streaming_to"] = sorted(self._outgoing)
         return info
 
-    def install_into(self, storage: DiskStorage, trans_id: int) -> None:
-        """The core took the snapshot we received: move its file into place
-        as the storage's newest (StorageError if that fails)."""
-        path, expected = self.installing
-        if expected != trans_id:
-            raise InvariantError(f"installing snapshot {trans_id}, received {expected}")
-        storage.install_snapshot_file(path, trans_id)
-        self.installing = None
+    def _take_received(self, trans_id: int, state: object) -> str:
+        """The path of the received file whose store the core took as
+        `state` (InvariantError if there is none, or it is not at trans_id)."""
+        for i, (loader, path, received_id) in enumerate(self.received):
+            if loader is state:
+                del self.received[i]
+                if received_id != trans_id:
+                    raise InvariantError(f"installing snapshot {trans_id}, its file holds "
+                                         f"{received_id}")
+                return path
+        raise InvariantError(f"installing snapshot {trans_id}: no received file holds it")
+
+    def install_into(self, storage: DiskStorage, trans_id: int, state: object) -> None:
+        """The core took a snapshot we received (its state is `state`): move
+        that file into place as the storage's newest (StorageError if that
+        fails)."""
+        storage.install_snapshot_file(self._take_received(trans_id, state), trans_id)
         self.stats["installed"] += 1
 
     def discard_unwanted(self) -> None:
-        """A received snapshot the core did not take (it had moved on)."""
-        if self.installing is not None:
-            unlink_quietly(self.installing[0])
-            self.installing = None
+        """Received snapshots the core did not take (it had moved on, or
+        took another one of the same turn)."""
+        received, self.received = self.received, []
+        for _loader, path, _trans_id in received:
+            unlink_quietly(path)
 
     # -- snapshots: writing our own --------------------------------------------
 
@@ -285,14 +302,10 @@ class SnapshotFiles:
                 unlink_quietly(os.path.join(self.dir, name))
         return True
 
-    def keep_installed(self, trans_id: int) -> None:
-        """Without storage: a received snapshot becomes our newest file."""
-        if self.installing is None:
-            return
-        path, expected = self.installing
-        self.installing = None
-        if expected != trans_id:
-            raise InvariantError(f"installing snapshot {trans_id}, received {expected}")
+    def keep_installed(self, trans_id: int, state: object) -> None:
+        """Without storage: a received snapshot the core took (its state is
+        `state`) becomes our newest file."""
+        path = self._take_received(trans_id, state)
         os.replace(path, os.path.join(self.dir, snapshot_file_name(trans_id)))
         self._keep_only(trans_id)
         self.stats["installed"] += 1
@@ -379,7 +392,9 @@ class SnapshotFiles:
         if msg.offset == 0:
             if inc is not None:
                 inc.close()
-            path = os.path.join(self.dir, f"incoming-{msg.trans_id:020d}.snap.tmp")
+            # Named by the sender too: two masters may each stream their
+            # snapshot at the same trans_id.
+            path = os.path.join(self.dir, f"incoming-{msg.trans_id:020d}-{peer_id}.snap.tmp")
             try:
                 inc = self._incoming = _Incoming(peer_id, msg.trans_id, msg.log_vote_id, path)
             except OSError as exc:
@@ -425,6 +440,6 @@ class SnapshotFiles:
             return
         log.info("node %d: received snapshot at trans_id %d (%d bytes) from node %d",
                  self.node_id, trans_id, inc.offset, inc.source)
-        self.installing = (inc.path, trans_id)
+        self.received.append((loader, inc.path, trans_id))
         self._step(Snapshot(vote_id=msg.vote_id, node_id=msg.node_id, trans_id=trans_id,
                             log_vote_id=vote_id, state=loader))
