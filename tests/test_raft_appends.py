@@ -24,6 +24,7 @@ import collections
 import logging
 import os
 import random
+import time
 
 import pytest
 import pysyncobj.pickle as pso_pickle
@@ -575,4 +576,56 @@ def test_stock_pysyncobj_does_not_bring_a_deposed_leader_back(runs):
     old = fault_leader(r, "isolate-drop")
     assert r.run(5, load=0.8, until=lambda: r.leader() not in (None, old))
     r.target = r.nodes[r.leader()].raftCommitIndex
-    assert not r.run(20, load=0.8, until=lambda: r.caught_up(old))
+    assert not r.run(10, load=0.8, until=lambda: r.caught_up(old))
+
+
+# -- idle links, on real sockets ------------------------------------------------------
+
+
+def probed(base):
+    class Probed(base):
+        """Counts the "probe" messages it receives."""
+
+        def __init__(self, me: str, others: list[str], conf: SyncObjConf) -> None:
+            self.probes = 0
+            super().__init__(me, others, conf)
+
+        def _SyncObj__onMessageReceived(self, node, message):
+            if isinstance(message, dict) and message.get("type") == "probe":
+                self.probes += 1
+            super()._SyncObj__onMessageReceived(node, message)
+
+    return Probed
+
+
+@pytest.mark.parametrize("kind", ["ours", "stock"])
+def test_the_first_message_on_a_link_idle_for_long_arrives(kind):
+    # pysyncobj declares a connection dead when it sends after reading
+    # nothing for connectionTimeout, and drops the message: between two
+    # followers that is the first vote request of an election.
+    from procs import free_port, wait_until
+
+    cls = probed(RaftAppends if kind == "ours" else SyncObj)
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    timing = dict(_RAFT_TIMING, connectionTimeout=1.2)
+    nodes = [cls(a, [b for b in addrs if b != a], SyncObjConf(**timing)) for a in addrs]
+    try:
+        leader = wait_until(lambda: next((n for n in nodes if n._isLeader()), None))
+        a, b = [n for n in nodes if n is not leader]
+        to_b = next(n for n in a.otherNodes if n.address == b.selfNode.address)
+        time.sleep(2 * timing["connectionTimeout"])  # the followers' link idles
+        if kind == "stock":  # idle for sure (no election meanwhile)
+            conn = a._SyncObj__transport._connections[to_b]
+            wait_until(lambda: time.monotonic() - conn._TcpConnection__lastReadTime
+                       > 1.5 * timing["connectionTimeout"])
+        sent = a._SyncObj__transport.send(to_b, {"type": "probe"})
+        if kind == "stock":
+            assert not sent
+            time.sleep(1.0)
+            assert b.probes == 0
+        else:
+            assert sent
+            wait_until(lambda: b.probes == 1, deadline_s=10)
+    finally:
+        for n in nodes:
+            n.destroy_synchronous()
