@@ -36,7 +36,8 @@ Two configurations (Network arguments):
   pull starts it again), as `SnapshotFiles` does. The slave installs the
   last chunk's file the way `SnapshotFiles._install_received` does: a
   `Snapshot` whose state is a `SnapshotLoader`, stepped into the core, and
-  the file moved into place by the next flush. Deferred sync: a master's
+  the file whose loader the core took moved into place by the next flush
+  (the others received since the last flush are discarded). Deferred sync: a master's
   records are written at the flush and fsynced later, by a sync that takes
   `fsync_ms` and starts at once when `own_sync_urgent` says so, else on the
   BATCH_SYNC_MS timer (`ClusterEngine._sync_when_due`); `synced_to` arrives
@@ -208,7 +209,12 @@ class SimNode:
     writer: int | None = None  # trans_id of the snapshot a forked writer is writing
     outgoing: dict[int, _Stream] = field(default_factory=dict)  # snapshot streams, by slave
     incoming: list | None = None  # [source, trans_id, vote_id, chunks stored]
-    installing: tuple[int, list] | None = None  # a received file, until the flush installs it
+    # Files received since the last flush: (the loader stepped into the core
+    # as the Snapshot's state, the file's content, its trans_id).
+    received: list[tuple[object, list, int]] = field(default_factory=list)
+
+    def received_file(self, loader) -> tuple[object, list, int] | None:
+        return next((r for r in self.received if r[0] is loader), None)
 
     def disk_vote_at(self, trans_id: int) -> int | None:
         base_t, base_v = self.disk_base
@@ -231,7 +237,8 @@ class SimNode:
     def reset_adapter(self) -> None:
         self.incarnation += 1
         self.sync_busy = self.sync_again = self.batch_timer = False
-        self.writer = self.incoming = self.installing = None
+        self.writer = self.incoming = None
+        self.received = []
         self.outgoing = {}
 
 
@@ -346,7 +353,7 @@ class Network:
             node.applied = []
             node.applied_base = None  # known after the step, from core.applied_id
             # A SnapshotLoader is fed from the received file's content.
-            node.loaded_state = state if type(state) is list else node.installing[1]
+            node.loaded_state = state if type(state) is list else node.received_file(state)[1]
 
         store.apply, store.revert, store.load_wire = apply_, revert_, load_wire_
 
@@ -481,7 +488,7 @@ class Network:
             stats["truncations"] += 1
         if self.checker is not None:
             self.checker.on_persist(node, ready)
-        node.installing = None  # a received file the core did not take (discard_unwanted)
+        node.received = []  # files the core did not take (SnapshotFiles.discard_unwanted)
         for dst, msg in ready.messages:
             if self.sent is not None:
                 self.sent.append((self.now, i, dst, msg))
@@ -509,11 +516,12 @@ class Network:
         if ready.snapshot is not None:
             trans_id, vote_id, state = ready.snapshot
             if type(state) is not list:  # received as a file: SnapshotFiles.install_into
-                if node.installing is None or node.installing[0] != trans_id:
+                received = node.received_file(state)
+                if received is None or received[2] != trans_id:
                     raise SimFailure(f"seed {self.seed}: node {node.node_id} installs a snapshot at "
-                                     f"{trans_id}; the file it received is {node.installing and node.installing[0]}")
-                state = node.installing[1]
-                node.installing = None
+                                     f"{trans_id}; the file it received holds {received and received[2]}")
+                node.received.remove(received)
+                state = received[1]
             node.disk_base = (trans_id, vote_id)
             node.disk_state = state
             node.disk_records = []
@@ -676,7 +684,7 @@ class Network:
         for name, max_id, msgs in chunk.state:
             loader.queue(name, max_id)
             loader.messages(msgs)
-        node.installing = (chunk.trans_id, chunk.state)
+        node.received.append((loader, chunk.state, chunk.trans_id))
         self.stats["snapshot_files_received"] += 1
         node.core.step(Snapshot(vote_id=chunk.vote_id, node_id=src, trans_id=chunk.trans_id,
                                 log_vote_id=chunk.log_vote_id, state=loader), self.now)

@@ -780,18 +780,16 @@ def test_power_loss_of_every_node_keeps_every_acknowledged_write(seed):
     work.final_check(m)
 
 
-@pytest.mark.xfail(strict=True, raises=sim.SimFailure, reason=(
-    "snapshot_transfer.SnapshotFiles keeps one received file (`installing`) until the flush: "
-    "a second last chunk read in the same loop turn replaces it, and install_into raises "
-    "InvariantError for the file the core did take (the slave stops, exit 1)"))
 @pytest.mark.parametrize("seed", [0, 2])
 def test_a_stale_snapshot_file_read_with_the_new_masters_in_one_turn(seed):
     """A slave far behind gets two snapshot files in one loop turn: first the
     new master's (the core installs it), then the deposed master's, older
     (its stream started before the election; the core ignores it: an older
     vote). The adapter must install the file the core took and discard the
-    other; it used to remember only the last file received, so the flush
-    found the wrong one and stopped the node."""
+    other. Found by this scenario: SnapshotFiles remembered only the last
+    file received, so the flush found the wrong one and install_into raised
+    InvariantError, stopping the slave (fixed in 7a8e1d0, which the sim
+    mirrors)."""
     net = Network(3, seed, log_size=10, external_snapshots=True, deferred_sync=True,
                   snapshot_chunks=(1, 1))
     work = Workload(net, random.Random(seed), at_master=True)
