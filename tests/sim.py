@@ -1285,7 +1285,8 @@ class Workload:
             self.confirm()
 
     def produce(self, queue: str | None = None, *, retry_s: float | None = None,
-                delay_s: object = RANDOM, ttl_s: object = RANDOM, node: int | None = None) -> str:
+                delay_s: object = RANDOM, ttl_s: object = RANDOM, node: int | None = None,
+                max_attempts: int | None = None) -> str:
         """A client produces a new message (data "m<n>"); returns its data.
         Unset arguments are drawn at random; delay_s/ttl_s None mean none."""
         rng = self.rng
@@ -1303,7 +1304,7 @@ class Workload:
         self.produced[data] = _Produced(retry_ms=round(retry_s * 1000))
         req = _Request("produce", queue, data=data, produce=ProduceRequest(
             queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry_s))
-        self._start(req, node)
+        self._start(req, node, max_attempts)
         return data
 
     def consume(self, queue: str | None = None, *, node: int | None = None) -> _Request:
@@ -1325,8 +1326,8 @@ class Workload:
 
     # -- attempts ----------------------------------------------------------------
 
-    def _start(self, req: _Request, node: int | None) -> _Request:
-        req.max_attempts = self.max_attempts
+    def _start(self, req: _Request, node: int | None, max_attempts: int | None = None) -> _Request:
+        req.max_attempts = max_attempts or self.max_attempts
         self.requests.append(req)
         self.open_requests += 1
         if node is None:
@@ -1846,9 +1847,10 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
         raise SimFailure(f"seed {seed}: no convergence {settle_ms} ms after healing: "
                          + "; ".join(f"{i}: {net.core(i).status()} leader={net.core(i).leader_id}"
                                      for i in ids))
-    # The cluster still takes writes, at its master, without client retries.
-    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master())
-    if not net.run_until(lambda: work.produced[data].acked_at is not None, 5_000):
+    # The cluster still takes writes. (A node resumed by the healing may
+    # still step down and cause one more election: the client retries.)
+    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master(), max_attempts=10)
+    if not net.run_until(lambda: work.produced[data].acked_at is not None, 10_000):
         raise SimFailure(f"seed {seed}: the settled cluster does not acknowledge a produce")
     work.stop()
     net.run_until(net.converged, settle_ms)
