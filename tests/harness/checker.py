@@ -99,6 +99,14 @@ class Report:
         return not any(self.counts().values())
 
 
+def _during(faults: list[Fault], t: float) -> str:
+    """", during <fault>" if a fault held at time t (for a violation's story)."""
+    for f in faults:
+        if f.t_start <= t <= f.t_end:
+            return f", during {f.kind} on {list(f.nodes)}" + (f" ({f.detail})" if f.detail else "")
+    return ""
+
+
 def _deliveries(ops: list[Op]) -> list[Op]:
     return [o for o in ops if o.kind == "consume" and o.outcome is Outcome.OK and o.msg_id is not None]
 
@@ -201,7 +209,8 @@ def check(ops: list[Op], faults: list[Fault], states: list[NodeState], *, engine
             unverifiable += 1
             continue
         violations["lost"].append(f"{key}: {p.data!r} acknowledged by node {p.node} at "
-                                  f"t={p.t_complete:.2f}, never delivered")
+                                  f"t={p.t_complete:.2f}{_during(faults, p.t_complete)}, "
+                                  f"never delivered")
 
     for key, got in sorted(by_msg.items()):
         datas = {d.data for d in got}
@@ -232,8 +241,9 @@ def check(ops: list[Op], faults: list[Fault], states: list[NodeState], *, engine
             if d.t_invoke > c.t_complete:
                 violations["delivered_after_confirm"].append(
                     f"{key}: confirm answered code 0 by node {c.node} (attempt {c.attempt}, "
-                    f"sent t={c.t_invoke:.2f}, answered t={c.t_complete:.2f}); delivered again by "
-                    f"node {d.node} to a consume sent at t={d.t_invoke:.2f}")
+                    f"sent t={c.t_invoke:.2f}, answered t={c.t_complete:.2f}"
+                    f"{_during(faults, c.t_complete)}); delivered again by node {d.node} to a "
+                    f"consume sent at t={d.t_invoke:.2f}")
 
     violations["divergence"] = _divergence(states)
     if not drained:

@@ -60,6 +60,10 @@ class Fault:
     recovered_s: float | None  # heal -> all up and a master agreed; None: not by the deadline
 
 
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
 class Nemesis:
     def __init__(self, cluster: FaultCluster, *, seed: int, kinds: tuple[str, ...],
                  duration_s: float, now, log=print) -> None:
@@ -126,7 +130,7 @@ class Nemesis:
         m = self._master() if kind != "kill-all" else None
         master = m if m is not None else self._choose(ids, pick)
         slaves = [i for i in ids if i != master]
-        detail = "" if m is not None else "master unknown; "
+        detail = "" if m is not None or kind == "kill-all" else "master unknown"
         t_start = self.now()
         if kind == "kill-master":
             hit = (master,)
@@ -151,13 +155,14 @@ class Nemesis:
         elif kind == "isolate-master":
             hit = (master,)
             c.set_cuts({(master, s) for s in slaves} | {(s, master) for s in slaves}, style)
-            detail += f"style {style}"
+            detail = _join(detail, f"style {style}")
         elif kind == "split":
             alone = self._choose(ids, pick)
             hit = (alone,)
             rest = [i for i in ids if i != alone]
             c.set_cuts({(alone, s) for s in rest} | {(s, alone) for s in rest}, style)
-            detail += f"style {style}; {'the master' if alone == m else 'not the master'} alone"
+            detail = _join(detail, f"style {style}; "
+                           f"{'the master' if alone == m else 'not the master'} alone")
         elif kind == "one-way":
             variant = self.rng.choice(["from-master", "to-master", "pair"])
             if variant == "from-master":
@@ -170,7 +175,7 @@ class Nemesis:
                 cuts = {(a, b)}
             hit = tuple(sorted({n for pair in cuts for n in pair}))
             c.set_cuts(cuts, DROP)
-            detail += f"{variant}: " + ", ".join(f"{a}->{b}" for a, b in sorted(cuts))
+            detail = _join(detail, f"{variant}: " + ", ".join(f"{a}->{b}" for a, b in sorted(cuts)))
         else:  # checked in __init__
             raise ValueError(kind)
         self.log(f"[{t_start:7.1f}s] fault {kind} on {list(hit)} for {hold:.1f} s"

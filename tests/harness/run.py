@@ -11,7 +11,9 @@ Theory of operation
    (`workload.Drainer`), wait for the same state again and record it
    ("drained").
 5. Check the history and the states (`checker.check`) and return the
-   `Report` with the run directory, which keeps every node's log.
+   `Report` with the run directory, which keeps every node's config and
+   log, the proxies' log and `history.jsonl` (every fault, node state and
+   operation attempt, one JSON object per line).
 
 Every process started (nodes, the proxy process) is ended in a `finally`,
 whatever happens. Waits are on conditions with deadlines; the only sleeps
@@ -20,6 +22,9 @@ are the workload's and the nemesis's pacing.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import random
 import threading
 import time
@@ -52,6 +57,16 @@ class RunConfig:
     rate_per_worker: float = 25.0  # operations per second per worker, at most
     queues: tuple[str, ...] = ("fa", "fb")
     qserver_src: str | None = None
+
+
+def _save(path: Path, ops: list, faults: list, states: list) -> None:
+    """The run's record, one JSON object per line, for a post-mortem."""
+    with open(path, "w") as f:
+        for rec in (*faults, *states, *ops):
+            row = {"type": type(rec).__name__}
+            row.update({k: (v.value if isinstance(v, enum.Enum) else v)
+                        for k, v in ((fl.name, getattr(rec, fl.name)) for fl in dataclasses.fields(rec))})
+            f.write(json.dumps(row) + "\n")
 
 
 def node_states(c: FaultCluster, queues: tuple[str, ...], when: str) -> list[NodeState]:
@@ -131,6 +146,7 @@ def run(cfg: RunConfig, workdir: Path, log=print) -> tuple[Report, Path]:
         if not agreed:
             notes.append("the nodes did not agree after the drain within the deadline")
         log(f"[{history.now():7.1f}s] checking")
+        _save(workdir / "history.jsonl", history.ops(), nemesis.faults, healed + final)
         report = check(history.ops(), nemesis.faults, healed + final, engine=cfg.engine,
                        fsync=cfg.fsync, seed=cfg.seed, duration_s=load_end, drained=drained,
                        notes=tuple(notes))

@@ -5,12 +5,13 @@ Theory of operation
 -------------------
 Several worker threads each loop: produce a message (retry=0 or retry=5,
 data unique to that produce, to a random queue) or consume one and, for a
-retry>0 message, mostly confirm it. Every request goes to a random node
+retry>0 message, mostly confirm it once it has "worked" on it for up to
+2 s (doing other requests meanwhile), mostly on the node that delivered it. Every request goes to a random node
 over the client protocol (JSON over TCP), as an outside client would; a
-request whose answer does not come (timeout, connection lost after sending)
-or whose answer says "outcome unknown" is retried, with the same data, on
-the same node or another one, a quarter of a second later, up to
-MAX_ATTEMPTS times. Every attempt is one `Op` in the history, with its
+request whose answer does not come (a timeout drawn from
+REQUEST_TIMEOUTS_S, connection lost after sending) or whose answer says
+"outcome unknown" is retried, with the same data, on the same node or
+another one, 0.05 to 0.25 s later, up to MAX_ATTEMPTS times. Every attempt is one `Op` in the history, with its
 outcome:
 
 - OK: code 0 (a produce's msg_id, a consume's msg_id and data or nothing,
@@ -45,17 +46,25 @@ from dataclasses import dataclass
 __all__ = ["Outcome", "Op", "History", "Worker", "Drainer", "NodeClient", "classify",
            "retry_of", "REQUEST_TIMEOUT_S", "MAX_ATTEMPTS", "RETRY_PAUSE_S"]
 
-# A client's patience per attempt. Well under the server's forward timeout
-# (10 s) so that workers retry elsewhere while a master is cut off.
-REQUEST_TIMEOUT_S = 3.0
+# A client's patience per attempt, drawn for each attempt: well under the
+# server's forward timeout (10 s) so that workers retry elsewhere while a
+# master is cut off, and often short enough that the retry reaches a master
+# that has not yet noticed it lost its slaves (issue 12's client gave up and
+# retried within about a second).
+REQUEST_TIMEOUTS_S = (0.25, 0.5, 1.0, 3.0)
+REQUEST_TIMEOUT_S = max(REQUEST_TIMEOUTS_S)
 CONNECT_TIMEOUT_S = 2.0
-# Attempts per produce or confirm, and the pause between them (issue 12:
-# the retried confirm came 0.25 s after the first).
+# Attempts per produce or confirm, and the pause between them, drawn for
+# each retry (issue 12: the retried confirm came 0.25 s after the first).
 MAX_ATTEMPTS = 4
-RETRY_PAUSE_S = 0.25
+RETRY_PAUSE_S = (0.05, 0.25)
 # The share of consumed retry>0 messages confirmed; the rest come back
 # after their retry, to be delivered again.
 CONFIRM_SHARE = 0.9
+# A consumer works on a message for a while before it confirms it (it does
+# other requests meanwhile): the confirm of a message delivered by a master
+# often reaches that master after a fault began, as in issue 12.
+THINK_S = (0.0, 2.0)
 RETRY_VALUES = (0, 5)
 
 _UNKNOWN_MARKS = ("outcome unknown", "forward timeout", "master unreachable")
@@ -203,7 +212,7 @@ class _Actor:
     def attempt(self, op_id: int, attempt: int, kind: str, node: int, queue: str,
                 obj: dict, **fields) -> tuple[Op, dict | None]:
         t_invoke = self.history.now()
-        response, sent = self.client.request(node, obj)
+        response, sent = self.client.request(node, obj, self.rng.choice(REQUEST_TIMEOUTS_S))
         outcome, reason = classify(response, sent)
         t_complete = self.history.now()
         if outcome is Outcome.OK and response is not None:
@@ -229,7 +238,7 @@ class _Actor:
             op, _ = self.attempt(op_id, attempt, kind, node, queue, obj, **fields)
             if op.outcome is Outcome.OK or (stop is not None and stop.is_set()):
                 break
-            time.sleep(RETRY_PAUSE_S)  # pacing, as a client would: not synchronisation
+            time.sleep(self.rng.uniform(*RETRY_PAUSE_S))  # a client's pause, not synchronisation
             if self.rng.random() >= 0.5:
                 node = self.rng.choice([n for n in self.nodes if n != node])
         return op
@@ -249,6 +258,7 @@ class Worker(_Actor):
         self.stop = stop
         self.period_s = 1.0 / rate_per_s if rate_per_s > 0 else 0.0
         self.count = 0
+        self.held: list[tuple[float, str, int, int]] = []  # (confirm at, queue, msg_id, node)
         self.thread = threading.Thread(target=self._run, name=f"harness-{name}", daemon=True)
         self.error: BaseException | None = None
 
@@ -262,7 +272,12 @@ class Worker(_Actor):
         try:
             while not self.stop.is_set():
                 started = time.monotonic()
-                if self.rng.random() < 0.5:
+                if self.held and self.held[0][0] <= started:
+                    _, queue, msg_id, node = self.held.pop(0)
+                    # Mostly on the node that delivered it (issue 12's consumer).
+                    self.confirm(queue, msg_id, self.stop,
+                                 node if self.rng.random() < 0.7 else None)
+                elif self.rng.random() < 0.5:
                     self.produce()
                 else:
                     self.consume()
@@ -292,9 +307,8 @@ class Worker(_Actor):
         if op.outcome is not Outcome.OK or op.msg_id is None:
             return
         if (retry_of(op.data or "") or 0) > 0 and self.rng.random() < CONFIRM_SHARE:
-            # Mostly on the node that delivered it (issue 12's consumer).
-            self.confirm(queue, op.msg_id, self.stop,
-                         node if self.rng.random() < 0.7 else None)
+            self.held.append((time.monotonic() + self.rng.uniform(*THINK_S), queue, op.msg_id, node))
+            self.held.sort()
 
 
 class Drainer(_Actor):
