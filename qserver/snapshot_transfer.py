@@ -335,6 +335,11 @@ class SnapshotFiles:
     # -- snapshots: streaming to a slave ---------------------------------------
 
     def stream(self, peer_id: int, trans_id: int, vote_id: int) -> None:
+        if trans_id < self.core.snapshot_id:
+            # A newer file was adopted since the core asked (a writer ended
+            # in this turn) and the older one is gone: send the newer (the
+            # slave installs it and pulls, or skips, what follows).
+            trans_id, vote_id = self.core.snapshot_id, self.core.snapshot_vote
         current = self._outgoing.get(peer_id)
         if current is not None:
             if (current.trans_id == trans_id
