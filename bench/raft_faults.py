@@ -229,6 +229,7 @@ def measure(engine: str, scenario: str, args) -> dict:
                 out["alarms_per_min"] = (run.count(ALARM) - alarms0) * 60 / elapsed
                 out["writes_per_s"] = sum(1 for _, a in run.acks if a >= t0) / elapsed
                 return out
+            out.update(gap_s=None, catchup_s=None)  # printed in this order
             isolate = scenario.startswith("isolate")
             if isolate:
                 c.set_cuts({(m, j) for j in others} | {(j, m) for j in others})
@@ -250,9 +251,9 @@ def measure(engine: str, scenario: str, args) -> dict:
                 time.sleep(args.fault_s)
                 c.resume(other)
                 t_end = time.monotonic()
-            out["gap_s"] = run.gap_after(gap_from)
             out["catchup_s"] = run.wait_caught_up(m, t_back, args.catchup_deadline_s)
             time.sleep(max(0.0, t_end + args.settle_s - time.monotonic()))
+            out["gap_s"] = run.gap_after(gap_from)
             out["max_gap_s"] = run.max_gap(gap_from, time.monotonic())
             out["snapshot"] = run.count(SNAPSHOT, nodes=(m,)) > 0
             out["alarms"] = run.count(ALARM) - alarms0
