@@ -317,6 +317,34 @@ def test_an_entry_with_the_same_term_but_other_command_is_a_conflict(monkeypatch
         f.close()
 
 
+def test_a_large_entry_sent_in_parts_follows_the_same_rules(monkeypatch):
+    # An entry of 64 KiB or more travels in parts ("transmission"); the last
+    # part makes it an append like any other.
+    f = Follower(monkeypatch, Ours)
+    try:
+        big = (b"\x01" + b"x" * 150_000, 2, 1)
+
+        def send_in_parts(prev: int, prev_term: int, entry) -> dict:
+            data = pso_pickle.dumps(entry)
+            parts = [data[i:i + 65536] for i in range(0, len(data), 65536)]
+            for k, part in enumerate(parts):
+                kind = "start" if k == 0 else "finish" if k == len(parts) - 1 else "process"
+                f.world.queues.clear()
+                f.node._SyncObj__onMessageReceived(f.leader, {
+                    "type": "append_entries", "term": 1, "commit_index": 1, "transmission": kind,
+                    "data": part, "prevLogIdx": prev, "prevLogTerm": prev_term})
+            return pso_pickle.loads(f.world.queues[(ADDRS[0], ADDRS[1])][-1])
+
+        ok = send_in_parts(1, 0, big)
+        assert ok["success"] and ok["next_node_idx"] == 3 and log_of(f.node)[-1] == (2, 1, big[0])
+        f.append(2, 1, f.entries(3, 5), commit=1)
+        ok = send_in_parts(1, 0, big)  # sent again: held, nothing deleted
+        assert ok["success"] and f.last() == 5
+        assert f.node.append_counts["held"] == 1 and f.node.append_counts["deleted"] == 0
+    finally:
+        f.close()
+
+
 def test_a_conflict_with_an_applied_entry_stops_the_node(monkeypatch):
     f = Follower(monkeypatch, Ours)
     try:
