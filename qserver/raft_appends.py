@@ -237,10 +237,10 @@ class RaftAppends(SyncObj):
         else:
             log = self._SyncObj__raftLog
             term = log[prev - first][2]
-            start = prev  # back to the first entry of that term
-            while start > first and log[start - 1 - first][2] == term:
+            start, floor = prev, max(first, commit + 1)  # back to the first entry of that term
+            while start > floor and log[start - 1 - first][2] == term:
                 start -= 1
-            resume = min(prev, max(start, commit + 1))
+            resume = min(prev, start)
         run = self._resume
         if run is not None and run[0] == node and run[1] == msg["term"]:
             resume = min(resume, run[2])
