@@ -31,6 +31,7 @@ directory outside any tree) instead of the installed one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -231,6 +232,16 @@ class FaultCluster:
                              env=self._env(), cwd=self.workdir, capture_output=True, text=True,
                              timeout=60)
         return out.stdout.strip() or out.stderr.strip()
+
+    def source_fingerprint(self) -> str:
+        """The qserver package the nodes import, and a hash of its .py files
+        (a run compares it at its start and end: a tree changed under a
+        running benchmark would mix two versions of the code)."""
+        path = Path(self.qserver_module_path()).parent
+        h = hashlib.sha256()
+        for f in sorted(path.rglob("*.py")):
+            h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
+        return f"{path} (sources sha256 {h.hexdigest()[:12]})"
 
     def start(self) -> None:
         """Start the proxies and every node; wait until each is ready."""

@@ -108,15 +108,15 @@ def run(cfg: RunConfig, workdir: Path, log=print) -> tuple[Report, Path]:
     c = FaultCluster(workdir, engine=cfg.engine, fsync=cfg.fsync, qserver_src=cfg.qserver_src)
     notes: list[str] = []
     try:
+        source = c.source_fingerprint()
         c.start()
-        if cfg.qserver_src:
-            notes.append(f"nodes import {c.qserver_module_path()}")
         c.wait_master(MASTER_DEADLINE_S)
         history = History(time.monotonic())
         stop = threading.Event()
         ports = {i: c.ports[i].client for i in c.ids}
         workers = [Worker(f"w{k}", history, ports, random.Random(f"{cfg.seed}-w{k}"), cfg.queues,
-                          stop, cfg.rate_per_worker) for k in range(cfg.workers)]
+                          stop, cfg.rate_per_worker, follow_master=k % 2 == 0)
+                   for k in range(cfg.workers)]
         for w in workers:
             w.start()
         nemesis = Nemesis(c, seed=cfg.seed, kinds=cfg.faults, duration_s=cfg.duration_s,
@@ -146,6 +146,9 @@ def run(cfg: RunConfig, workdir: Path, log=print) -> tuple[Report, Path]:
         if not agreed:
             notes.append("the nodes did not agree after the drain within the deadline")
         log(f"[{history.now():7.1f}s] checking")
+        notes.append(f"nodes import {source}")
+        if c.source_fingerprint() != source:
+            notes.append(f"THE SOURCE TREE CHANGED DURING THE RUN: now {c.source_fingerprint()}")
         _save(workdir / "history.jsonl", history.ops(), nemesis.faults, healed + final)
         report = check(history.ops(), nemesis.faults, healed + final, engine=cfg.engine,
                        fsync=cfg.fsync, seed=cfg.seed, duration_s=load_end, drained=drained,

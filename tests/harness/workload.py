@@ -4,14 +4,19 @@ records.
 Theory of operation
 -------------------
 Several worker threads each loop: produce a message (retry=0 or retry=5,
-data unique to that produce, to a random queue) or consume one and, for a
+data unique to that produce, to a random queue), or consume one and, for a
 retry>0 message, mostly confirm it once it has "worked" on it for up to
-2 s (doing other requests meanwhile), mostly on the node that delivered it. Every request goes to a random node
-over the client protocol (JSON over TCP), as an outside client would; a
-request whose answer does not come (a timeout drawn from
-REQUEST_TIMEOUTS_S, connection lost after sending) or whose answer says
-"outcome unknown" is retried, with the same data, on the same node or
-another one, 0.05 to 0.25 s later, up to MAX_ATTEMPTS times. Every attempt is one `Op` in the history, with its
+2 s (a thread of its own per worker does the confirms, so that they go out
+on time while the worker waits for another answer), mostly on the node
+that delivered it.
+Half of the workers follow the master (asked with action 8, asked again
+after a failure), as clients that follow redirects do; the others send each
+request to a random node. Requests go over the client protocol (JSON over
+TCP), as an outside client's would. A request whose answer does not come
+(a timeout drawn from REQUEST_TIMEOUTS_S, or the connection lost after
+sending) or whose answer says "outcome unknown" is retried, with the same
+data, on the same node or another one, 0.05 to 0.25 s later, up to
+MAX_ATTEMPTS times. Every attempt is one `Op` in the history, with its
 outcome:
 
 - OK: code 0 (a produce's msg_id, a consume's msg_id and data or nothing,
@@ -36,6 +41,7 @@ operations by them (one process, one clock).
 from __future__ import annotations
 
 import enum
+import heapq
 import json
 import random
 import socket
@@ -208,6 +214,13 @@ class _Actor:
         self.nodes = sorted(ports)
         self.rng = rng
         self.phase = phase
+        self.same_node_p = 0.5  # a retry goes to the same node with this probability
+
+    def pick_node(self) -> int:
+        return self.rng.choice(self.nodes)
+
+    def lost_node(self) -> None:
+        """An operation did not succeed on the node(s) it was sent to."""
 
     def attempt(self, op_id: int, attempt: int, kind: str, node: int, queue: str,
                 obj: dict, **fields) -> tuple[Op, dict | None]:
@@ -232,15 +245,17 @@ class _Actor:
         """Attempts until one is OK, up to MAX_ATTEMPTS (fewer once `stop`
         is set): the same request, on the same node or another."""
         op_id = self.history.new_op_id()
-        node = self.rng.choice(self.nodes) if node is None else node
+        node = self.pick_node() if node is None else node
         op = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             op, _ = self.attempt(op_id, attempt, kind, node, queue, obj, **fields)
             if op.outcome is Outcome.OK or (stop is not None and stop.is_set()):
                 break
             time.sleep(self.rng.uniform(*RETRY_PAUSE_S))  # a client's pause, not synchronisation
-            if self.rng.random() >= 0.5:
+            if self.rng.random() >= self.same_node_p:
                 node = self.rng.choice([n for n in self.nodes if n != node])
+        if op.outcome is not Outcome.OK:
+            self.lost_node()
         return op
 
     def confirm(self, queue: str, msg_id: int, stop: threading.Event | None, node: int | None) -> Op:
@@ -249,35 +264,43 @@ class _Actor:
 
 
 class Worker(_Actor):
-    """A client thread: produces, consumes and confirms until stopped."""
+    """A client thread: produces, consumes and confirms until stopped.
+
+    With follow_master, it sends to the master (asked with action 8 of a
+    random node; asked again after an operation that did not succeed) and
+    retries there first, as a client that follows redirects and keeps its
+    connection would; otherwise to random nodes."""
 
     def __init__(self, name: str, history: History, ports: dict[int, int], rng: random.Random,
-                 queues: tuple[str, ...], stop: threading.Event, rate_per_s: float) -> None:
+                 queues: tuple[str, ...], stop: threading.Event, rate_per_s: float,
+                 follow_master: bool = False) -> None:
         super().__init__(name, history, ports, rng, "load")
+        self.follow_master = follow_master
+        self.home: int | None = None  # the master, as last heard
+        if follow_master:
+            self.same_node_p = 0.8
         self.queues = queues
         self.stop = stop
         self.period_s = 1.0 / rate_per_s if rate_per_s > 0 else 0.0
         self.count = 0
-        self.held: list[tuple[float, str, int, int]] = []  # (confirm at, queue, msg_id, node)
+        self.confirmer = Confirmer(f"{name}c", history, ports, random.Random(rng.random()), stop)
         self.thread = threading.Thread(target=self._run, name=f"harness-{name}", daemon=True)
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        self.confirmer.start()
         self.thread.start()
 
     def join(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
+        self.confirmer.join(timeout_s)
+        self.error = self.error or self.confirmer.error
 
     def _run(self) -> None:
         try:
             while not self.stop.is_set():
                 started = time.monotonic()
-                if self.held and self.held[0][0] <= started:
-                    _, queue, msg_id, node = self.held.pop(0)
-                    # Mostly on the node that delivered it (issue 12's consumer).
-                    self.confirm(queue, msg_id, self.stop,
-                                 node if self.rng.random() < 0.7 else None)
-                elif self.rng.random() < 0.5:
+                if self.rng.random() < 0.5:
                     self.produce()
                 else:
                     self.consume()
@@ -290,6 +313,18 @@ class Worker(_Actor):
         finally:
             self.client.close()
 
+    def pick_node(self) -> int:
+        if not self.follow_master:
+            return super().pick_node()
+        if self.home is None:
+            response, _ = self.client.request(super().pick_node(), {"action": 8}, 0.5)
+            leader = (response or {}).get("leader_node_id")
+            self.home = leader if leader in self.nodes else None
+        return self.home if self.home is not None else super().pick_node()
+
+    def lost_node(self) -> None:
+        self.home = None
+
     def produce(self) -> None:
         self.count += 1
         retry = self.rng.choice(RETRY_VALUES)
@@ -301,14 +336,66 @@ class Worker(_Actor):
 
     def consume(self) -> None:
         queue = self.rng.choice(self.queues)
-        node = self.rng.choice(self.nodes)
+        node = self.pick_node()
         op, _ = self.attempt(self.history.new_op_id(), 1, "consume", node, queue,
                              {"action": 2, "queue": queue})
+        if op.outcome is not Outcome.OK:
+            self.lost_node()
         if op.outcome is not Outcome.OK or op.msg_id is None:
             return
         if (retry_of(op.data or "") or 0) > 0 and self.rng.random() < CONFIRM_SHARE:
-            self.held.append((time.monotonic() + self.rng.uniform(*THINK_S), queue, op.msg_id, node))
-            self.held.sort()
+            self.confirmer.hold(time.monotonic() + self.rng.uniform(*THINK_S), queue, op.msg_id, node)
+
+
+class Confirmer(_Actor):
+    """A worker's consumer side: confirms each message it is handed once
+    the message's work is done (at its due time), on a thread of its own,
+    so that a confirm goes out on time even while the worker waits for an
+    answer elsewhere (issue 12: the confirm reached a master just cut off)."""
+
+    def __init__(self, name: str, history: History, ports: dict[int, int], rng: random.Random,
+                 stop: threading.Event) -> None:
+        super().__init__(name, history, ports, rng, "load")
+        self.stop = stop
+        self.held: list[tuple[float, str, int, int]] = []  # heap: (due, queue, msg_id, node)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"harness-{name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        with self.cond:
+            self.cond.notify()
+        self.thread.join(timeout_s)
+
+    def hold(self, due: float, queue: str, msg_id: int, node: int) -> None:
+        with self.cond:
+            heapq.heappush(self.held, (due, queue, msg_id, node))
+            self.cond.notify()
+
+    def _next(self) -> tuple[str, int, int] | None:
+        """The next message due, once it is due; None once stopped."""
+        with self.cond:
+            while not self.stop.is_set():
+                if self.held and self.held[0][0] <= time.monotonic():
+                    _, queue, msg_id, node = heapq.heappop(self.held)
+                    return queue, msg_id, node
+                # Until the next due time, or a new message, or the stop.
+                self.cond.wait(self.held[0][0] - time.monotonic() if self.held else 0.5)
+        return None
+
+    def _run(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                queue, msg_id, node = item
+                # Mostly on the node that delivered it (issue 12's consumer).
+                self.confirm(queue, msg_id, self.stop, node if self.rng.random() < 0.7 else None)
+        except BaseException as exc:  # reported by the run, never swallowed
+            self.error = exc
+        finally:
+            self.client.close()
 
 
 class Drainer(_Actor):
