@@ -78,7 +78,7 @@ class World:
 
         monkeypatch.setattr(pso, "monotonicTime", self.clock)
         monkeypatch.setattr(pso, "createJournal", lambda path=None: Journal())
-        monkeypatch.setattr(pso.random, "uniform", lambda a, b: a + (b - a) * rng.random())
+        monkeypatch.setattr(pso, "random", rng)  # its election timeouts, from the seed
 
     def transport_class(self):
         world = self
