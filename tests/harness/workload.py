@@ -49,8 +49,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["Outcome", "Op", "History", "Worker", "Drainer", "NodeClient", "classify",
-           "retry_of", "REQUEST_TIMEOUT_S", "MAX_ATTEMPTS", "RETRY_PAUSE_S"]
+__all__ = ["Outcome", "Op", "History", "Worker", "Confirmer", "Drainer", "NodeClient", "classify",
+           "retry_of", "REQUEST_TIMEOUTS_S", "MAX_ATTEMPTS", "RETRY_PAUSE_S"]
 
 # A client's patience per attempt, drawn for each attempt: well under the
 # server's forward timeout (10 s) so that workers retry elsewhere while a
