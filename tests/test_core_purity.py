@@ -8,11 +8,13 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "qserver"
 
-CORE_MODULES = [
-    "store.py", "entries.py", "log.py", "requests.py", "protocol.py", "service.py",
-    "replication/base.py", "replication/local.py", "replication/native.py",
-    "replication/messages.py", "replication/raft.py", "storage/format.py",
+CORE_NAMES = [
+    "qserver.store", "qserver.entries", "qserver.log", "qserver.requests", "qserver.protocol",
+    "qserver.service", "qserver.replication.base", "qserver.replication.local",
+    "qserver.replication.native", "qserver.replication.messages", "qserver.replication.raft",
+    "qserver.storage.format",
 ]
+CORE_MODULES = [str(Path(*n.split(".")[1:])) + ".py" for n in CORE_NAMES]
 
 FORBIDDEN = {"asyncio", "socket", "os", "time", "random", "threading", "pathlib",
              "subprocess", "selectors", "signal", "uvloop", "io", "shutil", "tempfile"}
