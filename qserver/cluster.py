@@ -61,8 +61,8 @@ from .config import Config
 from .entries import Entry
 from .log import Log
 from .peers import PeerNetwork
-from .replication.base import Done, EngineStatus, LeaderInfo
-from .replication.messages import (
+from .engines.base import Done, EngineStatus, LeaderInfo
+from .engines.messages import (
     Forward,
     ForwardReply,
     Push,
@@ -72,7 +72,7 @@ from .replication.messages import (
     message_from_peer,
     message_to_wire,
 )
-from .replication.native import NativeCore, Timing
+from .engines.native import NativeCore, Timing
 from .snapshot_transfer import SnapshotFiles
 from .storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from .store import SnapshotLoader, Store

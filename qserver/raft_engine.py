@@ -69,9 +69,9 @@ from .config import Config, Fsync
 from .entries import Entry, Noop
 from .peers import PeerNetwork
 from .raft_appends import RaftAppends
-from .replication.base import Done, EngineStatus, LeaderInfo
-from .replication.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
-from .replication.raft import OUTCOME_UNKNOWN, RaftMachine
+from .engines.base import Done, EngineStatus, LeaderInfo
+from .engines.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
+from .engines.raft import OUTCOME_UNKNOWN, RaftMachine
 from .store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]

@@ -48,7 +48,7 @@ from .protocol import (
     encode_response,
     error_response,
 )
-from .replication import LeaderInfo, LocalEngine
+from .engines import LeaderInfo, LocalEngine
 from .service import Service
 from .store import Store
 

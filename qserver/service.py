@@ -41,7 +41,7 @@ from collections.abc import Callable
 from .config import Config
 from .errors import BadRequest
 from .protocol import error_response
-from .replication.base import Engine
+from .engines.base import Engine
 from .requests import (
     ConfirmRequest,
     ConsumeRequest,

@@ -43,8 +43,8 @@ import traceback
 from collections.abc import Callable
 
 from .errors import InvariantError
-from .replication.messages import Snapshot, SnapshotAck, SnapshotChunk
-from .replication.native import NativeCore
+from .engines.messages import Snapshot, SnapshotAck, SnapshotChunk
+from .engines.native import NativeCore
 from .storage import (
     DiskStorage,
     decode_snapshot,

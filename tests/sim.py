@@ -101,10 +101,10 @@ from functools import partial
 from qserver.cluster import BATCH_SYNC_MS
 from qserver.entries import Confirm, Consume, Produce, Record
 from qserver.log import Log
-from qserver.replication import native
-from qserver.replication.base import LeaderInfo
-from qserver.replication.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
-from qserver.replication.native import NativeCore, Role, Timing
+from qserver.engines import native
+from qserver.engines.base import LeaderInfo
+from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
+from qserver.engines.native import NativeCore, Role, Timing
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.snapshot_transfer import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
 from qserver.store import Store

@@ -18,7 +18,7 @@ import pytest
 import qserver.server
 from procs import cluster_config, free_port
 from qserver.config import load_config
-from qserver.replication.messages import Push
+from qserver.engines.messages import Push
 from qserver.server import Node
 
 STEP_S = 3600.0  # the wall clock jumps an hour ahead

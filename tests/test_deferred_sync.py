@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 from qserver.log import Log
-from qserver.replication.base import LeaderInfo
-from qserver.replication.messages import Push, PushReply
-from qserver.replication.native import NativeCore
+from qserver.engines.base import LeaderInfo
+from qserver.engines.messages import Push, PushReply
+from qserver.engines.native import NativeCore
 from qserver.requests import ProduceRequest
 from qserver.store import Store
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from qserver.config import Config
 from qserver.log import Log
-from qserver.replication import LeaderInfo, LocalEngine
+from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
 from qserver.store import Store
 

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from qserver.entries import Produce, Record
-from qserver.replication.messages import (
+from qserver.engines.messages import (
     MAX_JSON_DEPTH,
     Forward,
     ForwardReply,

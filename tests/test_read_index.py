@@ -12,7 +12,7 @@ delivers the message again.
 from __future__ import annotations
 
 from qserver.entries import Confirm, Consume, Produce
-from qserver.replication.native import OUTCOME_UNKNOWN, Role
+from qserver.engines.native import OUTCOME_UNKNOWN, Role
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 from sim import Network
@@ -203,7 +203,7 @@ class _DeferringEngine:
 def _service():
     from qserver.config import Config
     from qserver.log import Log
-    from qserver.replication import LeaderInfo, LocalEngine
+    from qserver.engines import LeaderInfo, LocalEngine
     from qserver.service import Service
     from qserver.store import Store
 

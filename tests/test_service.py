@@ -8,7 +8,7 @@ import pytest
 from qserver.config import Config
 from qserver.log import Log
 from qserver.protocol import StreamDecoder, encode_response
-from qserver.replication import LeaderInfo, LocalEngine
+from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
 from qserver.store import Store
 

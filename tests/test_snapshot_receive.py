@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from qserver.entries import Produce
-from qserver.replication.messages import Snapshot, SnapshotChunk
+from qserver.engines.messages import Snapshot, SnapshotChunk
 from qserver.snapshot_transfer import SnapshotFiles
 from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file
 from qserver.store import Store
