@@ -72,7 +72,7 @@ from .engines.messages import (
     message_from_peer,
     message_to_wire,
 )
-from .engines.native import NativeCore, Timing
+from .engines.native.core import NativeCore, Timing
 from .snapshot_transfer import SnapshotFiles
 from .storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from .store import SnapshotLoader, Store

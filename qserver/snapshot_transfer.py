@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from .errors import InvariantError
 from .engines.messages import Snapshot, SnapshotAck, SnapshotChunk
-from .engines.native import NativeCore
+from .engines.native.core import NativeCore
 from .storage import (
     DiskStorage,
     decode_snapshot,

@@ -10,7 +10,7 @@ import random
 from qserver.log import Log
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
-from qserver.engines.native import NativeCore
+from qserver.engines.native.core import NativeCore
 from qserver.requests import ProduceRequest
 from qserver.store import Store
 

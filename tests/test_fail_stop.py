@@ -76,10 +76,10 @@ def produce(port: int, data: str = "x") -> dict | None:
 # (method, error raised, engine/storage config, what the node must do after
 # the trigger for the method to run, words of the CRITICAL line's "where")
 SINGLE_NODE_CASES = [
-    pytest.param("qserver.engines.native:NativeCore.tick", "InvariantError",
+    pytest.param("qserver.engines.native.core:NativeCore.tick", "InvariantError",
                  '<storage dir="{data}" fsync="always"/>', "nothing", "timer ClusterEngine._on_timer",
                  id="native-tick"),
-    pytest.param("qserver.engines.native:NativeCore.tick", "ZeroDivisionError",
+    pytest.param("qserver.engines.native.core:NativeCore.tick", "ZeroDivisionError",
                  '<storage dir="{data}" fsync="always"/>', "nothing", "timer ClusterEngine._on_timer",
                  id="native-tick-any-exception"),
     pytest.param("qserver.cluster:ClusterEngine._flush", "InvariantError",
@@ -140,7 +140,7 @@ def test_failure_in_step_stops_a_cluster_node_and_the_others_serve_on(tmp_path):
         victim = next(i for i in range(1, 4) if i != master)
         c.nodes[victim].kill()
         node = InjectedNode(c.config_path(victim), c.port(victim),
-                            "qserver.engines.native:NativeCore.step", tmp_path / "trigger")
+                            "qserver.engines.native.core:NativeCore.step", tmp_path / "trigger")
         c.nodes[victim] = node
         node.wait_ready()
         wait_until(lambda: c.master() == master)  # it follows the master again

@@ -12,7 +12,7 @@ delivers the message again.
 from __future__ import annotations
 
 from qserver.entries import Confirm, Consume, Produce
-from qserver.engines.native import OUTCOME_UNKNOWN, Role
+from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 from sim import Network

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from qserver.engines import native
+from qserver.engines.native import core as native
 from qserver.engines.messages import (
     Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire)
-from qserver.engines.native import Role, Timing
+from qserver.engines.native.core import Role, Timing
 from qserver.requests import ConsumeRequest, ProduceRequest
 import sim
 from sim import Network, Workload, message_data, run_schedule

@@ -74,12 +74,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..entries import Entry, Noop, Record
-from ..errors import InvariantError
-from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
-from ..store import Store
-from .base import Done, EngineStatus, LeaderInfo
-from .messages import (
+from ...entries import Entry, Noop, Record
+from ...errors import InvariantError
+from ...log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
+from ...store import Store
+from ..base import Done, EngineStatus, LeaderInfo
+from ..messages import (
     Hello,
     Message,
     Ping,
