@@ -71,7 +71,7 @@ from .peers import PeerNetwork
 from .raft_appends import RaftAppends
 from .engines.base import Done, EngineStatus, LeaderInfo
 from .engines.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
-from .engines.raft import OUTCOME_UNKNOWN, RaftMachine
+from .engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
 from .store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]

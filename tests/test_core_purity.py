@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "qserver"
 CORE_NAMES = [
     "qserver.store", "qserver.entries", "qserver.log", "qserver.requests", "qserver.protocol",
     "qserver.service", "qserver.engines.base", "qserver.engines.local",
-    "qserver.engines.native.core", "qserver.engines.messages", "qserver.engines.raft",
+    "qserver.engines.native.core", "qserver.engines.messages", "qserver.engines.raft.machine",
     "qserver.storage.format",
 ]
 CORE_MODULES = [str(Path(*n.split(".")[1:])) + ".py" for n in CORE_NAMES]

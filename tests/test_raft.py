@@ -12,7 +12,7 @@ from pysyncobj.journal import FileJournal
 from qserver.config import Config, PeerConfig
 from qserver.entries import Confirm, Consume
 from qserver.raft_engine import DurableJournal, raft_password
-from qserver.engines.raft import OUTCOME_UNKNOWN, RaftMachine
+from qserver.engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
 from qserver.store import Store
 
 

@@ -58,10 +58,10 @@ from collections.abc import Callable
 
 import msgpack
 
-from ..entries import entry_from_wire, entry_to_wire
-from ..errors import InvariantError
-from ..store import Store
-from .base import Done
+from ...entries import entry_from_wire, entry_to_wire
+from ...errors import InvariantError
+from ...store import Store
+from ..base import Done
 
 __all__ = ["RaftMachine", "BARRIER", "ENTRY", "OUTCOME_UNKNOWN", "SNAPSHOT_FORMAT"]
 
