@@ -320,7 +320,7 @@ class Node:
 
             self.engine = RaftEngine(config=config, store=self.store)
         elif len(config.peers) > 1 or self.storage is not None:
-            from .cluster import ClusterEngine
+            from .engines.native.driver import ClusterEngine
 
             self.engine = ClusterEngine(config=config, store=self.store, log_=self.log,
                                         storage=self.storage, vote=vote)

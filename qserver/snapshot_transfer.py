@@ -22,7 +22,7 @@ new master's, can end in one loop turn, and the core takes at most one of
 them). A node without a data directory keeps its snapshot files in a
 private temporary directory.
 
-Only the cluster adapter (qserver.cluster) uses this; it routes
+Only the cluster adapter (qserver.engines.native.driver) uses this; it routes
 SnapshotChunk and SnapshotAck messages here and carries out the core's
 `snapshot_sends`.
 """
@@ -57,7 +57,7 @@ from .store import SnapshotLoader
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 
-log = logging.getLogger("qserver.cluster")
+log = logging.getLogger("qserver.engines.native.driver")
 
 # Snapshot streaming: pieces of this size (far below peers.MAX_FRAME_BYTES,
 # large enough that per-message costs vanish), at most this many in flight

@@ -1,4 +1,4 @@
-"""The cluster adapter's syncs off the event loop (qserver.cluster with a
+"""The cluster adapter's syncs off the event loop (qserver.engines.native.driver with a
 lone node and real storage), with KernelSync replaced by a fake that holds
 every submitted sync until the test finishes it, with success or an error:
 when a write is answered, what a failed sync does, and what close() does
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from procs import free_port
-from qserver import cluster
-from qserver.cluster import ClusterEngine
+from qserver.engines.native import driver as cluster
+from qserver.engines.native.driver import ClusterEngine
 from qserver.config import parse_xml
 from qserver.log import Log
 from qserver.requests import ProduceRequest

@@ -57,12 +57,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from .config import Config
-from .entries import Entry
-from .log import Log
-from .peers import PeerNetwork
-from .engines.base import Done, EngineStatus, LeaderInfo
-from .engines.messages import (
+from ...config import Config
+from ...entries import Entry
+from ...log import Log
+from ...peers import PeerNetwork
+from ..base import Done, EngineStatus, LeaderInfo
+from ..messages import (
     Forward,
     ForwardReply,
     Push,
@@ -72,14 +72,14 @@ from .engines.messages import (
     message_from_peer,
     message_to_wire,
 )
-from .engines.native.core import NativeCore, Timing
-from .snapshot_transfer import SnapshotFiles
-from .storage import DiskStorage, KernelSync, StorageError, record_size_bound
-from .store import SnapshotLoader, Store
+from .core import NativeCore, Timing
+from ...snapshot_transfer import SnapshotFiles
+from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
+from ...store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
 
-log = logging.getLogger("qserver.cluster")
+log = logging.getLogger("qserver.engines.native.driver")
 
 # A forwarded request that the master has not answered in this time is
 # answered "forward timeout" (the write may or may not have happened).
