@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 `Network` holds n `SimNode`s, each a `NativeCore` plus what the node keeps
 on disk (its log records since its last snapshot, that snapshot, and its
-vote) and what its adapter (qserver/engines/native/driver.py, qserver/snapshot_transfer.py)
+vote) and what its adapter (qserver/engines/native/driver.py, qserver/engines/native/snapshots.py)
 holds in memory. `step()` delivers the next message, fires the next core
 timer, or runs the next adapter or client event, then flushes the stepped
 node's `Ready` in the order the adapter does (persist the vote, the
@@ -106,7 +106,7 @@ from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
 from qserver.engines.native.core import NativeCore, Role, Timing
 from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
-from qserver.snapshot_transfer import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
+from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
 from qserver.store import Store
 
 START_MS = 1_700_000_000_000

@@ -9,7 +9,7 @@ import os
 
 from qserver.entries import Produce
 from qserver.engines.messages import Snapshot, SnapshotChunk
-from qserver.snapshot_transfer import SnapshotFiles
+from qserver.engines.native.snapshots import SnapshotFiles
 from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file
 from qserver.store import Store
 

@@ -73,7 +73,7 @@ from ..messages import (
     message_to_wire,
 )
 from .core import NativeCore, Timing
-from ...snapshot_transfer import SnapshotFiles
+from .snapshots import SnapshotFiles
 from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from ...store import SnapshotLoader, Store
 

@@ -42,10 +42,10 @@ import time
 import traceback
 from collections.abc import Callable
 
-from .errors import InvariantError
-from .engines.messages import Snapshot, SnapshotAck, SnapshotChunk
-from .engines.native.core import NativeCore
-from .storage import (
+from ...errors import InvariantError
+from ..messages import Snapshot, SnapshotAck, SnapshotChunk
+from .core import NativeCore
+from ...storage import (
     DiskStorage,
     decode_snapshot,
     snapshot_file_name,
@@ -53,7 +53,7 @@ from .storage import (
     unlink_quietly,
     write_snapshot_file,
 )
-from .store import SnapshotLoader
+from ...store import SnapshotLoader
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 
