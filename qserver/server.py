@@ -316,7 +316,7 @@ class Node:
         if config.engine is ConfigEngine.RAFT:
             # pysyncobj keeps its own journal and snapshot in the data
             # directory and recovers from them itself (raft_engine).
-            from .raft_engine import RaftEngine
+            from .engines.raft.driver import RaftEngine
 
             self.engine = RaftEngine(config=config, store=self.store)
         elif len(config.peers) > 1 or self.storage is not None:

@@ -91,14 +91,14 @@ SINGLE_NODE_CASES = [
     pytest.param("qserver.engines.native.driver:ClusterEngine._batch_sync", "RuntimeError",
                  '<storage dir="{data}" fsync="batch"/>', "produce",
                  "timer ClusterEngine._batch_sync", id="native-batch-timer"),
-    pytest.param("qserver.raft_engine:RaftEngine._on_committed", "InvariantError",
+    pytest.param("qserver.engines.raft.driver:RaftEngine._on_committed", "InvariantError",
                  '<replication engine="raft"/>', "produce", "callback RaftEngine._on_committed",
                  id="raft-committed"),
     pytest.param("qserver.store:Store.apply", "InvariantError",
                  '<replication engine="raft"/>', "produce", "ClientTcpProtocol",
                  id="raft-apply"),
     # pysyncobj's own thread: its fsync=batch tick callback
-    pytest.param("qserver.raft_engine:_QueueSync._batch_sync", "OSError",
+    pytest.param("qserver.engines.raft.driver:_QueueSync._batch_sync", "OSError",
                  '<replication engine="raft"/><storage dir="{data}" fsync="batch"/>', "produce",
                  "callback _raised_in_pysyncobj_thread", id="raft-thread"),
 ]
@@ -182,7 +182,7 @@ def test_a_failed_raft_journal_fsync_is_never_retried_into_success(tmp_path, mon
     the first error (and pysyncobj's tick hands it to the loop: exit 1)."""
     import errno
 
-    import qserver.raft_engine as raft_engine
+    import qserver.engines.raft.driver as raft_engine
 
     journal = raft_engine.DurableJournal(str(tmp_path / "raft.journal"))
     journal.add(b"command", 1, 1)

@@ -11,7 +11,7 @@ from pysyncobj.journal import FileJournal
 
 from qserver.config import Config, PeerConfig
 from qserver.entries import Confirm, Consume
-from qserver.raft_engine import DurableJournal, raft_password
+from qserver.engines.raft.driver import DurableJournal, raft_password
 from qserver.engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
 from qserver.store import Store
 

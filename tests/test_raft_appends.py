@@ -35,7 +35,7 @@ from pysyncobj.transport import Transport
 
 from qserver.errors import InvariantError
 from qserver.raft_appends import RaftAppends
-from qserver.raft_engine import _RAFT_TIMING
+from qserver.engines.raft.driver import _RAFT_TIMING
 
 ADDRS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
 LEADER = 2  # _FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2 (pysyncobj's _RAFT_STATE)

@@ -47,7 +47,7 @@ from .proxy import DROP, PASS, ProxyProcess
 
 __all__ = ["FaultCluster", "NodePorts", "RAFT_PORT_OFFSET"]
 
-RAFT_PORT_OFFSET = 1000  # qserver.raft_engine.RAFT_PORT_OFFSET (the tree under test may differ from ours)
+RAFT_PORT_OFFSET = 1000  # qserver.engines.raft.driver.RAFT_PORT_OFFSET (the tree under test may differ from ours)
 
 # Generous: a cold Python start on a loaded 2-core machine can take seconds,
 # and a node replaying a log after kill -9 takes longer.

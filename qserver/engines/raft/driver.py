@@ -65,14 +65,14 @@ from pysyncobj.journal import FileJournal, MemoryJournal
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
-from .config import Config, Fsync
-from .entries import Entry, Noop
-from .peers import PeerNetwork
-from .raft_appends import RaftAppends
-from .engines.base import Done, EngineStatus, LeaderInfo
-from .engines.messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
-from .engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
-from .store import Store
+from ...config import Config, Fsync
+from ...entries import Entry, Noop
+from ...peers import PeerNetwork
+from ...raft_appends import RaftAppends
+from ..base import Done, EngineStatus, LeaderInfo
+from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
+from .machine import OUTCOME_UNKNOWN, RaftMachine
+from ...store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
 
