@@ -1,4 +1,4 @@
-"""pysyncobj's replication under qserver's append rules (qserver.raft_appends),
+"""pysyncobj's replication under qserver's append rules (qserver.engines.raft.appends),
 without processes: real pysyncobj SyncObj instances on a simulated network
 and a simulated clock.
 
@@ -34,7 +34,7 @@ from pysyncobj.journal import MemoryJournal
 from pysyncobj.transport import Transport
 
 from qserver.errors import InvariantError
-from qserver.raft_appends import RaftAppends
+from qserver.engines.raft.appends import RaftAppends
 from qserver.engines.raft.driver import _RAFT_TIMING
 
 ADDRS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]

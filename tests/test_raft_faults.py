@@ -4,7 +4,7 @@ the master paused, then the next master cut off while its own clients keep
 writing to it. Afterwards every node holds the same state, nothing
 acknowledged is lost, the faulted masters caught up without a snapshot, and
 no node raised pysyncobj's truncation alarm or stopped on diverged entries
-(qserver.raft_appends)."""
+(qserver.engines.raft.appends)."""
 
 from __future__ import annotations
 

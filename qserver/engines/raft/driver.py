@@ -68,7 +68,7 @@ from pysyncobj.transport import TCPTransport
 from ...config import Config, Fsync
 from ...entries import Entry, Noop
 from ...peers import PeerNetwork
-from ...raft_appends import RaftAppends
+from .appends import RaftAppends
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from .machine import OUTCOME_UNKNOWN, RaftMachine

@@ -93,7 +93,7 @@ import pysyncobj.pickle as _pso_pickle
 import pysyncobj.syncobj as _pso
 from pysyncobj import SyncObj
 
-from .errors import InvariantError
+from ...errors import InvariantError
 
 __all__ = ["RaftAppends"]
 
