@@ -1,4 +1,4 @@
-"""The node-to-node link layer (qserver.peers) on real loopback sockets.
+"""The node-to-node link layer (qserver.engines.peers) on real loopback sockets.
 
 Every test runs its own event loop under a hard timeout, waits on conditions
 with generous deadlines (never on bare sleeps), closes everything it opened,
@@ -22,8 +22,8 @@ import pytest
 import uvloop
 
 from procs import free_port
-from qserver import peers as peers_mod
-from qserver.peers import (
+from qserver.engines import peers as peers_mod
+from qserver.engines.peers import (
     MAX_FRAME_BYTES,
     MAX_HANDSHAKE_FRAME_BYTES,
     PROTOCOL,
@@ -124,7 +124,7 @@ class Harness:
         self.nodes: list[Node] = []
         self.writers: list[asyncio.StreamWriter] = []
         self.warnings = RecordWarnings(self)
-        self.logger = logging.getLogger("qserver.peers")
+        self.logger = logging.getLogger("qserver.engines.peers")
         self.logger.addHandler(self.warnings)
 
     def poke(self) -> None:

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 from procs import Cluster, NodeProcess, TcpClient, free_port, wait_until, write_config
-from qserver.peers import _LABEL_DIALER, NONCE_BYTES, PROTOCOL, _proof
+from qserver.engines.peers import _LABEL_DIALER, NONCE_BYTES, PROTOCOL, _proof
 
 IDLE_CONNECTIONS = 2000
 
@@ -219,7 +219,7 @@ def _fresh_client_answer(port: int) -> dict | None:
 
 class FakePeer:
     """The test as node `node_id` of a cluster: dials a node's internal
-    port and authenticates with the cluster secret as qserver.peers does."""
+    port and authenticates with the cluster secret as qserver.engines.peers does."""
 
     def __init__(self, port: int, node_id: int, acceptor_id: int, secret: str) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)

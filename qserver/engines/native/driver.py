@@ -60,7 +60,7 @@ from functools import partial
 from ...config import Config
 from ...entries import Entry
 from ...log import Log
-from ...peers import PeerNetwork
+from ..peers import PeerNetwork
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import (
     Forward,

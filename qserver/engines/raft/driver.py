@@ -67,7 +67,7 @@ from pysyncobj.transport import TCPTransport
 
 from ...config import Config, Fsync
 from ...entries import Entry, Noop
-from ...peers import PeerNetwork
+from ..peers import PeerNetwork
 from .appends import RaftAppends
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire

@@ -106,7 +106,7 @@ __all__ = [
     "PROTOCOL",
 ]
 
-log = logging.getLogger("qserver.peers")
+log = logging.getLogger("qserver.engines.peers")
 
 # The largest message body a peer may send. The largest legitimate messages
 # are a pull batch (`sync_rate` entries, each up to max_request_size) and a
