@@ -55,7 +55,7 @@ import orjson  # noqa: E402
 
 from noop_server import NoopTcp, NoopUdp  # noqa: E402
 from qserver.config import Config  # noqa: E402
-from qserver.protocol import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD  # noqa: E402
+from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD  # noqa: E402
 from qserver.server import GC_THRESHOLDS, ClientTcpProtocol, ClientUdpProtocol, Node  # noqa: E402
 
 MODES = ("produce", "consume", "confirm")

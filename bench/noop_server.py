@@ -9,7 +9,7 @@ that qserver's throughput can be read as a fraction of what the event loop,
 the sockets and the JSON codec alone allow on this machine.
 
 To make the floor cost what qserver's transport costs, the framing is
-qserver's own: TCP bytes go through `qserver.protocol.StreamDecoder` (several
+qserver's own: TCP bytes go through `qserver.wire.codec.StreamDecoder` (several
 requests per read, requests split across reads, error answers for bad
 input), datagrams through `decode_datagram`, and every answer through
 `encode_response` (orjson, newline-terminated). What the floor leaves out is
@@ -34,14 +34,14 @@ import signal
 import sys
 
 try:
-    import qserver.protocol  # noqa: F401
+    import qserver.wire.codec  # noqa: F401
 except ImportError:  # run from a checkout without installing qserver
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import uvloop
 
 from qserver.errors import BadRequest, ProtocolError
-from qserver.protocol import (
+from qserver.wire.codec import (
     DEFAULT_MAX_REQUEST_SIZE,
     MAX_UDP_PAYLOAD,
     StreamDecoder,

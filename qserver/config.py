@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .protocol import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
+from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
 from .requests import MAX_QUEUE_NAME
 
 __all__ = [

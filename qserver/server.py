@@ -41,7 +41,7 @@ from .config import Config
 from .config import Engine as ConfigEngine
 from .errors import BadRequest, ProtocolError
 from .log import Log
-from .protocol import (
+from .wire.codec import (
     MAX_UDP_PAYLOAD,
     StreamDecoder,
     decode_datagram,

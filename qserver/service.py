@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from .config import Config
 from .errors import BadRequest
-from .protocol import error_response
+from .wire.codec import error_response
 from .engines.base import Engine
 from .requests import (
     ConfirmRequest,

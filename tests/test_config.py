@@ -22,7 +22,7 @@ from qserver.config import (
     parse_xml,
 )
 from qserver.errors import ConfigError, QServerError
-from qserver.protocol import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
+from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qserver.errors import BadRequest, ProtocolError
-from qserver.protocol import (
+from qserver.wire.codec import (
     DEFAULT_MAX_REQUEST_SIZE,
     StreamDecoder,
     decode_datagram,

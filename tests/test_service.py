@@ -7,7 +7,7 @@ import pytest
 
 from qserver.config import Config
 from qserver.log import Log
-from qserver.protocol import StreamDecoder, encode_response
+from qserver.wire.codec import StreamDecoder, encode_response
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
 from qserver.store import Store

@@ -34,7 +34,7 @@ import re
 
 import orjson
 
-from .errors import BadRequest, ProtocolError
+from ..errors import BadRequest, ProtocolError
 
 __all__ = [
     "StreamDecoder",
