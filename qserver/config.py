@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
-from .requests import MAX_QUEUE_NAME
+from .wire.requests import MAX_QUEUE_NAME
 
 __all__ = [
     "Config",

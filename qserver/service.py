@@ -42,7 +42,7 @@ from .config import Config
 from .errors import BadRequest
 from .wire.codec import error_response
 from .engines.base import Engine
-from .requests import (
+from .wire.requests import (
     ConfirmRequest,
     ConsumeRequest,
     LeaderRequest,

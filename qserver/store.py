@@ -79,7 +79,7 @@ from sortedcontainers import SortedList
 
 from .entries import Confirm, Consume, Entry, Noop, Produce
 from .errors import InvariantError
-from .requests import (
+from .wire.requests import (
     RELATIVE_TIME_LIMIT_S,
     ConfirmRequest,
     ConsumeRequest,

@@ -105,7 +105,7 @@ from qserver.engines.native import core as native
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
 from qserver.engines.native.core import NativeCore, Role, Timing
-from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
 from qserver.store import Store
 

@@ -11,7 +11,7 @@ from qserver.log import Log
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
 from qserver.engines.native.core import NativeCore
-from qserver.requests import ProduceRequest
+from qserver.wire.requests import ProduceRequest
 from qserver.store import Store
 
 NOW = 1_700_000_000_000

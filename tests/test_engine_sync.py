@@ -18,7 +18,7 @@ from qserver.engines.native import driver as cluster
 from qserver.engines.native.driver import ClusterEngine
 from qserver.config import parse_xml
 from qserver.log import Log
-from qserver.requests import ProduceRequest
+from qserver.wire.requests import ProduceRequest
 from qserver.storage import DiskStorage, StorageError
 from qserver.store import Store
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from qserver.entries import Confirm, Consume, Produce
 from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
-from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 from sim import Network
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qserver.errors import BadRequest
-from qserver.requests import (
+from qserver.wire.requests import (
     MAX_QUEUE_NAME,
     MAX_TIME_S,
     ConfirmRequest,

@@ -15,7 +15,7 @@ from qserver.engines.native import core as native
 from qserver.engines.messages import (
     Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire)
 from qserver.engines.native.core import Role, Timing
-from qserver.requests import ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConsumeRequest, ProduceRequest
 import sim
 from sim import Network, Workload, message_data, run_schedule
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qserver.entries import Record
-from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.storage import DiskStorage, store_wire_iter, write_snapshot_file
 from qserver.store import Store
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qserver.entries import Confirm, Consume, Noop, Produce, Record
-from qserver.requests import ProduceRequest
+from qserver.wire.requests import ProduceRequest
 from qserver.storage import format as fmt
 from qserver.store import Store
 from test_core_purity import FORBIDDEN, imported_modules

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from qserver.entries import Confirm, Consume, Produce
-from qserver.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.store import RETRY_AT_MS, Store
 
 QUEUE_SIZE = 5

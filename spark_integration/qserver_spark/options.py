@@ -68,7 +68,7 @@ MAX_BATCH_SIZE = 100_000
 # unanswered produces to another node: the client's own default.
 DEFAULT_TIMEOUT_S = 5.0
 
-# Queue names the server accepts (qserver.requests.MAX_QUEUE_NAME).
+# Queue names the server accepts (qserver.wire.requests.MAX_QUEUE_NAME).
 MAX_QUEUE_NAME = 255
 
 # Every option the sink reads, with what it means (for the error on an

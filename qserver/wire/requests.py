@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 __all__ = [
     "Action",
