@@ -4,7 +4,7 @@ Every exception qserver raises on purpose derives from `QServerError`. A
 client's fault (`BadRequest`) is answered on the wire with code -1 and the
 reason; our own fault (`InvariantError`) stops the node loudly. Expected
 outcomes (an empty consume, a full queue, no leader) are values, not
-exceptions: see `qserver.store.Reply`.
+exceptions: see `qserver.state.store.Reply`.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from .wire.codec import (
 )
 from .engines import LeaderInfo, LocalEngine
 from .service import Service
-from .store import Store
+from .state.store import Store
 
 __all__ = ["Node", "ClientTcpProtocol", "ClientUdpProtocol"]
 

@@ -54,7 +54,7 @@ from .wire.requests import (
     UnsupportedRequest,
     parse_request,
 )
-from .store import Store
+from .state.store import Store
 
 __all__ = ["Service", "Respond"]
 

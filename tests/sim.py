@@ -107,7 +107,7 @@ from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, mes
 from qserver.engines.native.core import NativeCore, Role, Timing
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
-from qserver.store import Store
+from qserver.state.store import Store
 
 START_MS = 1_700_000_000_000
 

@@ -12,7 +12,7 @@ from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
 from qserver.engines.native.core import NativeCore
 from qserver.wire.requests import ProduceRequest
-from qserver.store import Store
+from qserver.state.store import Store
 
 NOW = 1_700_000_000_000
 

@@ -20,7 +20,7 @@ from qserver.config import parse_xml
 from qserver.log import Log
 from qserver.wire.requests import ProduceRequest
 from qserver.storage import DiskStorage, StorageError
-from qserver.store import Store
+from qserver.state.store import Store
 
 DEADLINE_S = 20.0
 

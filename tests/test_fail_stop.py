@@ -85,7 +85,7 @@ SINGLE_NODE_CASES = [
     pytest.param("qserver.engines.native.driver:ClusterEngine._flush", "InvariantError",
                  '<storage dir="{data}" fsync="always"/>', "produce", "ClusterEngine.",
                  id="native-flush"),
-    pytest.param("qserver.store:Store.apply", "InvariantError",
+    pytest.param("qserver.state.store:Store.apply", "InvariantError",
                  '<storage dir="{data}" fsync="always"/>', "produce", "ClientTcpProtocol",
                  id="native-apply"),
     pytest.param("qserver.engines.native.driver:ClusterEngine._batch_sync", "RuntimeError",
@@ -94,7 +94,7 @@ SINGLE_NODE_CASES = [
     pytest.param("qserver.engines.raft.driver:RaftEngine._on_committed", "InvariantError",
                  '<replication engine="raft"/>', "produce", "callback RaftEngine._on_committed",
                  id="raft-committed"),
-    pytest.param("qserver.store:Store.apply", "InvariantError",
+    pytest.param("qserver.state.store:Store.apply", "InvariantError",
                  '<replication engine="raft"/>', "produce", "ClientTcpProtocol",
                  id="raft-apply"),
     # pysyncobj's own thread: its fsync=batch tick callback
@@ -166,7 +166,7 @@ def test_no_failure_no_trigger_file_runs_as_usual(tmp_path):
     """The wrapper itself changes nothing until the trigger file exists."""
     port = free_port()
     config = single_config(tmp_path, port, f'<storage dir="{tmp_path / "data"}"/>')
-    node = InjectedNode(config, port, "qserver.store:Store.apply", tmp_path / "trigger")
+    node = InjectedNode(config, port, "qserver.state.store:Store.apply", tmp_path / "trigger")
     try:
         node.wait_ready()
         assert [produce(port, str(i))["msg_id"] for i in range(3)] == [1, 2, 3]

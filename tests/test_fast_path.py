@@ -10,7 +10,7 @@ from qserver.config import Config
 from qserver.log import Log
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
-from qserver.store import Store
+from qserver.state.store import Store
 
 NOW = 1_700_000_000_000
 

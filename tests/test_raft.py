@@ -13,7 +13,7 @@ from qserver.config import Config, PeerConfig
 from qserver.entries import Confirm, Consume
 from qserver.engines.raft.driver import DurableJournal, raft_password
 from qserver.engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
-from qserver.store import Store
+from qserver.state.store import Store
 
 
 def machine(node_id: int) -> RaftMachine:

@@ -205,7 +205,7 @@ def _service():
     from qserver.log import Log
     from qserver.engines import LeaderInfo, LocalEngine
     from qserver.service import Service
-    from qserver.store import Store
+    from qserver.state.store import Store
 
     cfg = Config()
     store = Store(queue_size=cfg.queue_size, virtual_queues=cfg.virtual_queues)

@@ -10,7 +10,7 @@ from qserver.log import Log
 from qserver.wire.codec import StreamDecoder, encode_response
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
-from qserver.store import Store
+from qserver.state.store import Store
 
 NOW_MS = 1_700_000_000_000  # a fixed unix time in ms
 NOW_S = NOW_MS // 1000

@@ -11,7 +11,7 @@ from qserver.entries import Produce
 from qserver.engines.messages import Snapshot, SnapshotChunk
 from qserver.engines.native.snapshots import SnapshotFiles
 from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file
-from qserver.store import Store
+from qserver.state.store import Store
 
 
 class _Core:

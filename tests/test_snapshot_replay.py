@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from qserver.entries import Record
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.storage import DiskStorage, store_wire_iter, write_snapshot_file
-from qserver.store import Store
+from qserver.state.store import Store
 
 START_MS = 1_700_000_000_000
 QUEUES = ("a", "b", "c")

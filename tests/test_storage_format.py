@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from qserver.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.wire.requests import ProduceRequest
 from qserver.storage import format as fmt
-from qserver.store import Store
+from qserver.state.store import Store
 from test_core_purity import FORBIDDEN, imported_modules
 
 FORMAT_PY = Path(fmt.__file__)

@@ -13,7 +13,7 @@ import pytest
 from qserver.entries import Confirm, Consume, Noop, Produce
 from qserver.errors import InvariantError
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
-from qserver.store import DEFAULT_TTL_MS, Store
+from qserver.state.store import DEFAULT_TTL_MS, Store
 
 # An arbitrary wall-clock instant (ms) that is not a whole second, so that
 # absolute times sent in seconds fall before "now".

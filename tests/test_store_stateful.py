@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from qserver.entries import Confirm, Consume, Produce
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
-from qserver.store import RETRY_AT_MS, Store
+from qserver.state.store import RETRY_AT_MS, Store
 
 QUEUE_SIZE = 5
 REAL = ("alpha", "beta", "gamma")

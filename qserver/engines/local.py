@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..entries import Entry
 from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
-from ..store import Store
+from ..state.store import Store
 from .base import Done, EngineStatus, LeaderInfo
 
 __all__ = ["LocalEngine"]

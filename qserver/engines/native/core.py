@@ -77,7 +77,7 @@ from typing import Protocol
 from ...entries import Entry, Noop, Record
 from ...errors import InvariantError
 from ...log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
-from ...store import Store
+from ...state.store import Store
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import (
     Hello,

@@ -75,7 +75,7 @@ from ..messages import (
 from .core import NativeCore, Timing
 from .snapshots import SnapshotFiles
 from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
-from ...store import SnapshotLoader, Store
+from ...state.store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
 

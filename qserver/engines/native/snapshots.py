@@ -53,7 +53,7 @@ from ...storage import (
     unlink_quietly,
     write_snapshot_file,
 )
-from ...store import SnapshotLoader
+from ...state.store import SnapshotLoader
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 

@@ -72,7 +72,7 @@ from .appends import RaftAppends
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from .machine import OUTCOME_UNKNOWN, RaftMachine
-from ...store import Store
+from ...state.store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
 

@@ -60,7 +60,7 @@ import msgpack
 
 from ...entries import entry_from_wire, entry_to_wire
 from ...errors import InvariantError
-from ...store import Store
+from ...state.store import Store
 from ..base import Done
 
 __all__ = ["RaftMachine", "BARRIER", "ENTRY", "OUTCOME_UNKNOWN", "SNAPSHOT_FORMAT"]

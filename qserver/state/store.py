@@ -77,9 +77,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sortedcontainers import SortedList
 
-from .entries import Confirm, Consume, Entry, Noop, Produce
-from .errors import InvariantError
-from .wire.requests import (
+from ..entries import Confirm, Consume, Entry, Noop, Produce
+from ..errors import InvariantError
+from ..wire.requests import (
     RELATIVE_TIME_LIMIT_S,
     ConfirmRequest,
     ConsumeRequest,
