@@ -23,7 +23,7 @@ This module does no I/O.
 from __future__ import annotations
 
 
-from .entries import Entry, Record
+from .state.entries import Entry, Record
 from .errors import InvariantError
 
 __all__ = ["Log", "COMPACT_SLACK", "LONE_LOG_RECORDS"]

@@ -99,7 +99,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from qserver.engines.native.driver import BATCH_SYNC_MS
-from qserver.entries import Confirm, Consume, Produce, Record
+from qserver.state.entries import Confirm, Consume, Produce, Record
 from qserver.log import Log
 from qserver.engines.native import core as native
 from qserver.engines.base import LeaderInfo

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qserver.entries import (
+from qserver.state.entries import (
     Confirm,
     Consume,
     Kind,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qserver.entries import Confirm, Consume, Noop, Produce, Record
+from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.errors import InvariantError
 from qserver.log import Log
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from qserver.entries import Produce, Record
+from qserver.state.entries import Produce, Record
 from qserver.engines.messages import (
     MAX_JSON_DEPTH,
     Forward,

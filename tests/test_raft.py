@@ -10,7 +10,7 @@ import pytest
 from pysyncobj.journal import FileJournal
 
 from qserver.config import Config, PeerConfig
-from qserver.entries import Confirm, Consume
+from qserver.state.entries import Confirm, Consume
 from qserver.engines.raft.driver import DurableJournal, raft_password
 from qserver.engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
 from qserver.state.store import Store

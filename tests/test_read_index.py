@@ -11,7 +11,7 @@ delivers the message again.
 
 from __future__ import annotations
 
-from qserver.entries import Confirm, Consume, Produce
+from qserver.state.entries import Confirm, Consume, Produce
 from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from qserver.entries import Produce
+from qserver.state.entries import Produce
 from qserver.engines.messages import Snapshot, SnapshotChunk
 from qserver.engines.native.snapshots import SnapshotFiles
 from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file

@@ -18,7 +18,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qserver.entries import Record
+from qserver.state.entries import Record
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.storage import DiskStorage, store_wire_iter, write_snapshot_file
 from qserver.state.store import Store

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from qserver.entries import Consume, Noop, Produce, Record
+from qserver.state.entries import Consume, Noop, Produce, Record
 from qserver.errors import InvariantError, QServerError
 from qserver.storage import DiskStorage, StorageError
 from qserver.storage import format as fmt

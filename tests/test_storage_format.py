@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qserver.entries import Confirm, Consume, Noop, Produce, Record
+from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.wire.requests import ProduceRequest
 from qserver.storage import format as fmt
 from qserver.state.store import Store

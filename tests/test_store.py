@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from qserver.entries import Confirm, Consume, Noop, Produce
+from qserver.state.entries import Confirm, Consume, Noop, Produce
 from qserver.errors import InvariantError
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.state.store import DEFAULT_TTL_MS, Store

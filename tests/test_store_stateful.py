@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from qserver.entries import Confirm, Consume, Produce
+from qserver.state.entries import Confirm, Consume, Produce
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.state.store import RETRY_AT_MS, Store
 

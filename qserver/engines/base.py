@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..entries import Entry
+from ..state.entries import Entry
 
 __all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done"]
 

@@ -10,7 +10,7 @@ This module does no I/O.
 
 from __future__ import annotations
 
-from ..entries import Entry
+from ..state.entries import Entry
 from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
 from .base import Done, EngineStatus, LeaderInfo

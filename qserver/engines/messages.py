@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..entries import Record, record_from_wire, record_to_wire
+from ..state.entries import Record, record_from_wire, record_to_wire
 
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",

@@ -77,7 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sortedcontainers import SortedList
 
-from ..entries import Confirm, Consume, Entry, Noop, Produce
+from .entries import Confirm, Consume, Entry, Noop, Produce
 from ..errors import InvariantError
 from ..wire.requests import (
     RELATIVE_TIME_LIMIT_S,

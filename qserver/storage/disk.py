@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..config import Fsync
-from ..entries import Record
+from ..state.entries import Record
 from ..errors import InvariantError
 from .format import encode_record, encode_snapshot_chunks, encode_vote, frame_offsets
 from .recovery import (

@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ..entries import Confirm, Consume, Entry, Produce, Record, record_from_wire, record_to_wire
+from ..state.entries import Confirm, Consume, Entry, Produce, Record, record_from_wire, record_to_wire
 
 __all__ = [
     "MAX_RECORD_BYTES",

@@ -40,7 +40,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ..entries import Record
+from ..state.entries import Record
 from ..errors import QServerError
 from .format import decode_snapshot, decode_vote, resync, scan
 

@@ -74,7 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ...entries import Entry, Noop, Record
+from ...state.entries import Entry, Noop, Record
 from ...errors import InvariantError
 from ...log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ...state.store import Store

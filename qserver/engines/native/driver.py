@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from ...config import Config
-from ...entries import Entry
+from ...state.entries import Entry
 from ...log import Log
 from ..peers import PeerNetwork
 from ..base import Done, EngineStatus, LeaderInfo

@@ -66,7 +66,7 @@ from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
 from ...config import Config, Fsync
-from ...entries import Entry, Noop
+from ...state.entries import Entry, Noop
 from ..peers import PeerNetwork
 from .appends import RaftAppends
 from ..base import Done, EngineStatus, LeaderInfo

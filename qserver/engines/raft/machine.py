@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import msgpack
 
-from ...entries import entry_from_wire, entry_to_wire
+from ...state.entries import entry_from_wire, entry_to_wire
 from ...errors import InvariantError
 from ...state.store import Store
 from ..base import Done
