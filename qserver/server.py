@@ -40,7 +40,7 @@ from collections.abc import Callable
 from .config import Config
 from .config import Engine as ConfigEngine
 from .errors import BadRequest, ProtocolError
-from .log import Log
+from .state.log import Log
 from .wire.codec import (
     MAX_UDP_PAYLOAD,
     StreamDecoder,

@@ -100,7 +100,7 @@ from functools import partial
 
 from qserver.engines.native.driver import BATCH_SYNC_MS
 from qserver.state.entries import Confirm, Consume, Produce, Record
-from qserver.log import Log
+from qserver.state.log import Log
 from qserver.engines.native import core as native
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire

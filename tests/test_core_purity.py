@@ -9,7 +9,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "qserver"
 
 CORE_NAMES = [
-    "qserver.state.store", "qserver.state.entries", "qserver.log", "qserver.wire.requests", "qserver.wire.codec",
+    "qserver.state.store", "qserver.state.entries", "qserver.state.log", "qserver.wire.requests", "qserver.wire.codec",
     "qserver.service", "qserver.engines.base", "qserver.engines.local",
     "qserver.engines.native.core", "qserver.engines.messages", "qserver.engines.raft.machine",
     "qserver.storage.format",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from qserver.log import Log
+from qserver.state.log import Log
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
 from qserver.engines.native.core import NativeCore

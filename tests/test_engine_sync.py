@@ -17,7 +17,7 @@ from procs import free_port
 from qserver.engines.native import driver as cluster
 from qserver.engines.native.driver import ClusterEngine
 from qserver.config import parse_xml
-from qserver.log import Log
+from qserver.state.log import Log
 from qserver.wire.requests import ProduceRequest
 from qserver.storage import DiskStorage, StorageError
 from qserver.state.store import Store

@@ -7,7 +7,7 @@ import copy
 from hypothesis import given, settings, strategies as st
 
 from qserver.config import Config
-from qserver.log import Log
+from qserver.state.log import Log
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
 from qserver.state.store import Store

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.errors import InvariantError
-from qserver.log import Log
+from qserver.state.log import Log
 
 
 def entry(n: int):

@@ -202,7 +202,7 @@ class _DeferringEngine:
 
 def _service():
     from qserver.config import Config
-    from qserver.log import Log
+    from qserver.state.log import Log
     from qserver.engines import LeaderInfo, LocalEngine
     from qserver.service import Service
     from qserver.state.store import Store

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from qserver.config import Config
-from qserver.log import Log
+from qserver.state.log import Log
 from qserver.wire.codec import StreamDecoder, encode_response
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service

@@ -11,7 +11,7 @@ This module does no I/O.
 from __future__ import annotations
 
 from ..state.entries import Entry
-from ..log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
+from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
 from .base import Done, EngineStatus, LeaderInfo
 

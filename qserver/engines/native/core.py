@@ -76,7 +76,7 @@ from typing import Protocol
 
 from ...state.entries import Entry, Noop, Record
 from ...errors import InvariantError
-from ...log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
+from ...state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ...state.store import Store
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import (

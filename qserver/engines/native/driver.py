@@ -59,7 +59,7 @@ from functools import partial
 
 from ...config import Config
 from ...state.entries import Entry
-from ...log import Log
+from ...state.log import Log
 from ..peers import PeerNetwork
 from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import (

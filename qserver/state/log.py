@@ -23,8 +23,8 @@ This module does no I/O.
 from __future__ import annotations
 
 
-from .state.entries import Entry, Record
-from .errors import InvariantError
+from .entries import Entry, Record
+from ..errors import InvariantError
 
 __all__ = ["Log", "COMPACT_SLACK", "LONE_LOG_RECORDS"]
 
