@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"noop:    {shlex.join(noop_argv)}")
             print(f"qserver: {shlex.join(q_argv)}", flush=True)
             servers["noop"] = ServerProcess("noop", noop_argv, os.path.join(tmp, "noop.log"))
-            servers["qserver"] = ServerProcess("qserver", q_argv, os.path.join(tmp, "qserver.state.log"))
+            servers["qserver"] = ServerProcess("qserver", q_argv, os.path.join(tmp, "qserver.log"))
             for s in servers.values():
                 s.wait_ready()
             rc = uvloop.run(_bench(args, servers))
