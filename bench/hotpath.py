@@ -56,7 +56,8 @@ import orjson  # noqa: E402
 from noop_server import NoopTcp, NoopUdp  # noqa: E402
 from qserver.config import Config  # noqa: E402
 from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD  # noqa: E402
-from qserver.server import GC_THRESHOLDS, ClientTcpProtocol, ClientUdpProtocol, Node  # noqa: E402
+from qserver.node import GC_THRESHOLDS, Node  # noqa: E402
+from qserver.server import ClientTcpProtocol, ClientUdpProtocol  # noqa: E402
 
 MODES = ("produce", "consume", "confirm")
 PROTOS = ("tcp", "udp")

@@ -372,7 +372,7 @@ def _raise_open_file_limit() -> None:
 
 
 async def _run(config: Config) -> int:
-    from .server import Node
+    from .node import Node
 
     _raise_open_file_limit()
     try:

@@ -19,7 +19,7 @@ import qserver.server
 from procs import cluster_config, free_port
 from qserver.config import load_config
 from qserver.engines.messages import Push
-from qserver.server import Node
+from qserver.node import Node
 
 STEP_S = 3600.0  # the wall clock jumps an hour ahead
 # Pushes (heartbeats included) every slave must take after the step: a few

@@ -211,7 +211,7 @@ def test_the_loop_handler_stops_only_for_exceptions_that_are_ours(caplog):
     import socket
 
     from qserver.config import Config
-    from qserver.server import Node
+    from qserver.node import Node
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ QUEUE_FIELDS = ("size", "max_id", "wait_status")
 
 
 class Harness:
-    """A node's service wired as server.Node wires it, minus the sockets."""
+    """A node's service wired as node.Node wires it, minus the sockets."""
 
     def __init__(self, **overrides) -> None:
         overrides.setdefault("node_id", 3)

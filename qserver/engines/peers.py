@@ -75,7 +75,7 @@ What the layer above can rely on:
 - on_link(peer, True) and on_link(peer, False) alternate, starting with
   True; neither runs inside `send` or `broadcast`. An exception raised by a
   callback is the caller's bug, not the peer's: it goes to the event loop's
-  exception handler (a node stops there, see server.Node.fatal; the
+  exception handler (a node stops there, see node.Node.fatal; the
   default handler logs it) and does not affect the link.
 
 Dialing. One task per peer dials, waits for the connection to end, and
@@ -106,7 +106,7 @@ __all__ = [
     "PROTOCOL",
 ]
 
-log = logging.getLogger("qserver.engines.peers")
+log = logging.getLogger(__name__)
 
 # The largest message body a peer may send. The largest legitimate messages
 # are a pull batch (`sync_rate` entries, each up to max_request_size) and a
@@ -748,7 +748,7 @@ class PeerNetwork:
         except Exception as exc:
             # Our fault, not the peer's (a malformed message is on_message's
             # to drop, not to raise on): handed to the event loop's
-            # exception handler, which stops a node (server.Node.fatal).
+            # exception handler, which stops a node (node.Node.fatal).
             self._callback_failed(exc, f"on_message for a message from node {peer_id}")
 
     def _notify_link(self, peer_id: int, up: bool) -> None:

@@ -96,7 +96,7 @@ from .recovery import (
 __all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "snapshot_file_name",
            "unlink_quietly", "write_snapshot_file"]
 
-log = logging.getLogger("qserver.storage")
+log = logging.getLogger(__name__)
 
 # A new segment is started once the current one holds this much: small
 # enough that a snapshot soon frees the space of old entries, large enough

@@ -26,7 +26,7 @@ import platform
 
 __all__ = ["KernelSync"]
 
-log = logging.getLogger("qserver.storage")
+log = logging.getLogger(__name__)
 
 # System call numbers: x86_64's own, and the generic table (aarch64).
 _SYSCALLS = {

@@ -79,7 +79,7 @@ from ...state.store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
 
-log = logging.getLogger("qserver.engines.native.driver")
+log = logging.getLogger(__name__)
 
 # A forwarded request that the master has not answered in this time is
 # answered "forward timeout" (the write may or may not have happened).

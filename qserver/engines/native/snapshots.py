@@ -57,7 +57,7 @@ from ...state.store import SnapshotLoader
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 
-log = logging.getLogger("qserver.engines.native.driver")
+log = logging.getLogger(__name__)
 
 # Snapshot streaming: pieces of this size (far below peers.MAX_FRAME_BYTES,
 # large enough that per-message costs vanish), at most this many in flight

@@ -76,7 +76,7 @@ from ...state.store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
 
-log = logging.getLogger("qserver.raft")
+log = logging.getLogger(__name__)
 
 # pysyncobj listens on the internal port + this (the internal port itself
 # carries the peer links used for forwarding). Documented in the README.
@@ -261,7 +261,7 @@ class _QueueSync(RaftAppends):
         # our callbacks). pysyncobj would log an exception and tick again,
         # on state nobody knows any more (a journal whose fsync failed); it
         # is raised on the event loop instead, whose exception handler
-        # stops the node (server.Node.fatal).
+        # stops the node (node.Node.fatal).
         try:
             super()._onTick(timeToWait)
         except Exception as exc:

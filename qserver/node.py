@@ -1,0 +1,272 @@
+"""The node's lifecycle: recover from storage, choose the engine, bind the
+client port, serve, and shut down in order.
+
+Fail-stop: the node installs an exception handler on its event loop. An
+exception that escapes a callback (a timer, a flush, a peer message's step,
+a client read) is our bug or a broken invariant: `Node.fatal` logs one
+CRITICAL line naming what broke and where, and stops the node at once (the
+`qserver` command exits with status 1 without draining anything: records
+already written stay in the files, nothing more is answered, and a restart
+recovers from the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import traceback
+from collections.abc import Callable
+
+from .config import Config
+from .config import Engine as ConfigEngine
+from .engines import LeaderInfo, LocalEngine
+from .server import ClientTcpProtocol, ClientUdpProtocol
+from .service import Service
+from .state.log import Log
+from .state.store import Store
+
+__all__ = ["Node"]
+
+log = logging.getLogger(__name__)
+
+# How long an orderly shutdown waits for in-flight answers before closing.
+SHUTDOWN_GRACE_S = 5.0
+
+# Garbage collection. Stored messages are untracked tuples, but the log keeps
+# up to log_size records, and CPython's automatic full collections rescan
+# them every time the long-lived objects grow by a quarter: measured, that
+# cost more per produce than the produce itself, with pauses of 100+ ms
+# (bench/). So only the youngest generation is collected automatically, once
+# per 100,000 allocations (it finds the short-lived cycles; every write
+# allocates a few tracked objects, the log's records among them, and each is
+# scanned there once); the older generations only by a full collection on a
+# timer (thresholds no count reaches). Against (10,000, 10) this took a UDP
+# produce from about 5.5 to 3.7 us of CPU in bench/hotpath.py --prefill.
+GC_THRESHOLDS = (100_000, 2**31 - 1, 2**31 - 1)
+GC_FULL_INTERVAL_S = 300.0
+
+
+class Node:
+    """One qserver node: its state, its engine and its client servers."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
+        self.log = Log()
+        self.storage = None
+        vote = (0, 0)
+        if config.storage_dir and config.engine is not ConfigEngine.RAFT:
+            vote = self._recover(config)
+        if config.engine is ConfigEngine.RAFT:
+            # pysyncobj keeps its own journal and snapshot in the data
+            # directory and recovers from them itself (raft_engine).
+            from .engines.raft.driver import RaftEngine
+
+            self.engine = RaftEngine(config=config, store=self.store)
+        elif len(config.peers) > 1 or self.storage is not None:
+            from .engines.native.driver import ClusterEngine
+
+            self.engine = ClusterEngine(config=config, store=self.store, log_=self.log,
+                                        storage=self.storage, vote=vote)
+        else:
+            me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+            self.engine = LocalEngine(store=self.store, log=self.log, me=me,
+                                      log_size=config.log_size)
+        self.service = Service(config=config, store=self.store, engine=self.engine)
+        if hasattr(self.engine, "handle_forwarded"):
+            handle = self.service.handle
+            self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
+                                                                          forwarded=True)
+        if hasattr(self.engine, "on_fatal"):
+            self.engine.on_fatal = self._engine_failed
+        self.exit_status = 0  # what `qserver run` exits with after serve()
+        # Set by the `qserver` command: ends the process at once with the
+        # status given. Without it (a node inside a test or another
+        # program), a fatal error stops the node without draining.
+        self.halt: Callable[[int], None] | None = None
+        self.failed = False  # a fatal error happened: nothing more is answered
+        self._previous_handler = None  # the loop's exception handler before start()
+        self.connections: set[ClientTcpProtocol] = set()
+        self._tcp: asyncio.base_events.Server | None = None
+        self._udp: asyncio.DatagramTransport | None = None
+        self._stopped = asyncio.Event()
+        self._gc_timer: asyncio.TimerHandle | None = None
+
+    def _recover(self, config: Config) -> tuple[int, int]:
+        """Open the data directory and load the newest valid snapshot and the
+        log after it. Raises StorageError (file and offset) on corruption
+        before the log's tail. Returns the persisted (vote_id, voted_for)."""
+        from .storage import DiskStorage
+
+        self.storage = DiskStorage.open(config.storage_dir, config.fsync)
+        try:
+            recovered = self.storage.recover(sink_factory=self.store.snapshot_loader)
+        except BaseException:
+            self.storage.abandon()
+            raise
+        for report in recovered.reports:
+            log.warning("recovery: %s", report)
+        if recovered.snapshot is not None:
+            trans_id, vote_id, state = recovered.snapshot
+            self.store.load_wire(state)
+            self.log = Log(base_trans_id=trans_id, base_vote_id=vote_id)
+        for record in recovered.records:
+            self.log.append(record)
+        log.info("recovered %s: snapshot at %d, %d log records after it, vote %s",
+                 config.storage_dir, self.log.base_trans_id, len(self.log), recovered.vote)
+        return recovered.vote
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound client address (the real port when configured as 0)."""
+        assert self._tcp is not None and self._tcp.sockets
+        host, port = self._tcp.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def start(self) -> None:
+        """Bind the client port (TCP and UDP). Raises OSError if it is taken."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        self._previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(self._on_loop_exception)
+        self._tcp = await loop.create_server(lambda: ClientTcpProtocol(self), cfg.host, cfg.port,
+                                             reuse_address=True, backlog=1024)
+        host, port = self.address
+        try:
+            self._udp, _ = await loop.create_datagram_endpoint(lambda: ClientUdpProtocol(self),
+                                                               local_addr=(host, port))
+        except OSError:
+            self._tcp.close()
+            raise
+        gc.set_threshold(*GC_THRESHOLDS)
+        gc.freeze()  # what start-up allocated lives as long as the process
+        self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
+        if hasattr(self.engine, "start"):
+            try:
+                await self.engine.start()
+            except OSError:
+                self._tcp.close()
+                self._udp.close()
+                raise
+        log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
+                 f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
+                 else "single node")
+
+    def _full_gc(self) -> None:
+        gc.collect()
+        self._gc_timer = asyncio.get_running_loop().call_later(GC_FULL_INTERVAL_S, self._full_gc)
+
+    async def serve(self) -> None:
+        """Run until `stop()`; then shut down in order."""
+        await self._stopped.wait()
+        await self.shutdown()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    # -- fail-stop -------------------------------------------------------------
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine cannot go on (a write or fsync failed)."""
+        self.fatal(exc, "the storage")
+
+    def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The event loop's exception handler: an exception that escaped a
+        callback (timer, flush, a peer's message, a client's read) means
+        our state may be broken: stop at once."""
+        exc = context.get("exception")
+        if exc is None:  # a warning (e.g. a task destroyed while pending)
+            loop.default_exception_handler(context)
+            return
+        if (isinstance(exc, OSError) and "socket" in context and "handle" not in context
+                and "protocol" not in context):
+            # accept() out of descriptors or memory: the OS's condition, not
+            # our bug; the loop pauses accepting and tries again.
+            log.error("node %d: %s: %s", self.config.node_id, context.get("message"), exc)
+            return
+        self.fatal(exc, _where(context))
+
+    def fatal(self, exc: BaseException, where: str) -> None:
+        """Stop at once after our own fault (a broken invariant, a bug, a
+        failed write): one CRITICAL line names it, the traceback precedes
+        it at ERROR. With `halt` set (the `qserver` command) the process
+        ends here with status 1: nothing drains, nothing more is sent or
+        answered, and what the storage wrote stays in its files (a restart
+        recovers from them, as after kill -9). Otherwise the node aborts
+        every client connection and stops without draining."""
+        if self.failed:
+            return
+        self.failed = True
+        self.exit_status = 1
+        origin = ""
+        frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else None
+        if frames:
+            last = frames[-1]
+            origin = f", raised at {_short_path(last.filename)}:{last.lineno} in {last.name}"
+            log.error("node %d: traceback of the fatal error below", self.config.node_id,
+                      exc_info=exc)
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+        log.critical("node %d: fatal: %s; in %s%s; stopping now (exit status 1)",
+                     self.config.node_id, what, where, origin)
+        if self.halt is not None:
+            self.halt(1)
+            return
+        if hasattr(self.engine, "halt"):
+            self.engine.halt()
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()
+        self.stop()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, finish in-flight answers, close every connection
+        (after a fatal error: abort them, without waiting)."""
+        if self._gc_timer is not None:
+            self._gc_timer.cancel()
+        if self._tcp is not None:
+            self._tcp.close()
+        if self._udp is not None:
+            self._udp.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SHUTDOWN_GRACE_S
+        while (not self.failed and any(not c.idle for c in self.connections)
+               and loop.time() < deadline):
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            if c.transport is not None:
+                if self.failed:
+                    c.transport.abort()
+                else:
+                    c.transport.close()
+        if hasattr(self.engine, "close"):
+            await self.engine.close()
+        if self._tcp is not None:
+            await self._tcp.wait_closed()
+        loop.set_exception_handler(self._previous_handler)
+        log.info("qserver node %d stopped", self.config.node_id)
+
+
+def _where(context: dict) -> str:
+    """Where an exception the event loop caught came from, in a few words."""
+    handle = context.get("handle")
+    if handle is not None:
+        callback = getattr(handle, "_callback", None)  # asyncio's handles
+        name = getattr(callback, "__qualname__", None)
+        if name is None:  # uvloop's: "<TimerHandle Class.method>"
+            name = repr(handle).strip("<>").split()[-1]
+        kind = "timer" if "Timer" in type(handle).__name__ else "callback"
+        return f"{kind} {name}"
+    protocol = context.get("protocol")
+    if protocol is not None:
+        return f"{type(protocol).__name__} (a connection's callback)"
+    return str(context.get("message") or "an event loop callback")
+
+
+def _short_path(path: str) -> str:
+    """A source path from the package (or tests) down, not the whole path."""
+    for marker in ("/qserver/", "/tests/", "/site-packages/"):
+        at = path.rfind(marker)
+        if at >= 0:
+            return path[at + 1:]
+    return path
