@@ -108,9 +108,6 @@ DISK_FREE_BYTES = 1024 * 1024
 # crash would (a disk that no longer answers).
 CLOSE_SYNC_WAIT_S = 30.0
 
-# Linux prctl(PR_SET_PDEATHSIG): the snapshot child dies with the node.
-_PR_SET_PDEATHSIG = 1
-
 
 def now_ms() -> int:
     """The core's clock: monotonic, for its timers only (elections,

@@ -71,10 +71,6 @@ SNAPSHOT_STALL_S = 30.0
 # attempt rather than fork in a loop; the log keeps growing meanwhile.
 SNAPSHOT_RETRY_S = 10.0
 
-# At close, how long to wait for a sync in flight before leaving the log as a
-# crash would (a disk that no longer answers).
-CLOSE_SYNC_WAIT_S = 30.0
-
 # Linux prctl(PR_SET_PDEATHSIG): the snapshot child dies with the node.
 _PR_SET_PDEATHSIG = 1
 
