@@ -2,9 +2,13 @@
 and when it counts as committed.
 
 Every engine offers the same small interface to the service (`Engine` in
-`base`): `propose(entry, done)`, `is_master`, `leader()`, `status()`. The
-single-node engine commits at once; the cluster engines (later issues) wrap
-the same store and log.
+`base`): `propose(entry, done)`, `is_master`, `leader()`, `status()`.
+`local` is one node without storage: it commits at once. `native/` (the
+native engine: a no-I/O core and its asyncio driver) and `raft/` (the same
+state machine on pysyncobj) replicate the same store and log; both use
+`messages` (node-to-node messages), `peers` (authenticated links) and
+`forwarding` (the slave -> master relay). Import those subpackages by name:
+this package exports only the interface and the local engine.
 """
 
 from .base import Engine, EngineStatus, LeaderInfo
