@@ -74,12 +74,10 @@ class Node:
             self.engine = LocalEngine(store=self.store, log=self.log, me=me,
                                       log_size=config.log_size)
         self.service = Service(config=config, store=self.store, engine=self.engine)
-        if hasattr(self.engine, "handle_forwarded"):
-            handle = self.service.handle
-            self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
-                                                                          forwarded=True)
-        if hasattr(self.engine, "on_fatal"):
-            self.engine.on_fatal = self._engine_failed
+        handle = self.service.handle
+        self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
+                                                                      forwarded=True)
+        self.engine.on_fatal = self._engine_failed
         self.exit_status = 0  # what `qserver run` exits with after serve()
         # Set by the `qserver` command: ends the process at once with the
         # status given. Without it (a node inside a test or another
@@ -142,13 +140,12 @@ class Node:
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()  # what start-up allocated lives as long as the process
         self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
-        if hasattr(self.engine, "start"):
-            try:
-                await self.engine.start()
-            except OSError:
-                self._tcp.close()
-                self._udp.close()
-                raise
+        try:
+            await self.engine.start()
+        except OSError:
+            self._tcp.close()
+            self._udp.close()
+            raise
         log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
                  f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
                  else "single node")
@@ -212,8 +209,7 @@ class Node:
         if self.halt is not None:
             self.halt(1)
             return
-        if hasattr(self.engine, "halt"):
-            self.engine.halt()
+        self.engine.halt()
         for c in list(self.connections):
             if c.transport is not None:
                 c.transport.abort()
@@ -239,8 +235,7 @@ class Node:
                     c.transport.abort()
                 else:
                     c.transport.close()
-        if hasattr(self.engine, "close"):
-            await self.engine.close()
+        await self.engine.close()
         if self._tcp is not None:
             await self._tcp.wait_closed()
         loop.set_exception_handler(self._previous_handler)

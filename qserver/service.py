@@ -41,7 +41,7 @@ from collections.abc import Callable
 from .config import Config
 from .errors import BadRequest
 from .wire.codec import error_response
-from .engines.base import Engine
+from .engines.base import Engine, Role
 from .wire.requests import (
     ConfirmRequest,
     ConsumeRequest,
@@ -72,7 +72,7 @@ class Service:
         self.config = config
         self.store = store
         self.engine = engine
-        self._commits_at_once = getattr(engine, "commits_at_once", False)
+        self._commits_at_once = engine.commits_at_once
 
     def handle(self, obj: object, now_ms: int, respond: Respond, *, forwarded: bool = False) -> None:
         """Answer one decoded request (any JSON value) through `respond`.
@@ -327,7 +327,7 @@ class Service:
             "node_id": self.config.node_id,
             "leader_node_id": leader_id,
             "leader_id": leader_id,  # queue_server's name for the same field
-            "role": status.role,
+            "role": status.role.value,
             "vote_id": status.vote_id,
             "trans_id": status.trans_id,
             "commit_id": status.commit_id,
@@ -336,11 +336,14 @@ class Service:
             "max_log_size": self.config.log_size,
             "queue_count": len(self.store.queues),
         }
-        if status.role == "master" and hasattr(self.engine, "slaves"):
-            info["slaves"] = self.engine.slaves()
-        if hasattr(self.engine, "snapshot_info"):
-            info["snapshot"] = self.engine.snapshot_info()
-        storage = self.engine.storage_info() if hasattr(self.engine, "storage_info") else None
+        if status.role is Role.MASTER:
+            slaves = self.engine.slaves()
+            if slaves is not None:
+                info["slaves"] = slaves
+        snapshot = self.engine.snapshot_info()
+        if snapshot is not None:
+            info["snapshot"] = snapshot
+        storage = self.engine.storage_info()
         if storage is not None:
             info["storage"] = storage
         return info

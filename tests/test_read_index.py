@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from qserver.state.entries import Confirm, Consume, Produce
 from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
+from qserver.engines.local import LocalEngine
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 from sim import Network
@@ -171,47 +172,36 @@ def test_a_lone_master_answers_once_committed():
 
 # -- the service: which answers wait for the read index ------------------------
 
-class _DeferringEngine:
+class _DeferringEngine(LocalEngine):
     """A master whose reads and writes wait until the test releases them,
     around a LocalEngine's store and log (what a cluster master does)."""
 
     commits_at_once = False
-    is_master = True
 
-    def __init__(self, local) -> None:
-        self.local = local
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.reads: list = []
         self.writes: list = []
 
     def propose(self, entry, done) -> None:
-        result = self.local.commit_now(entry)
+        result = self.commit_now(entry)
         self.writes.append(lambda: done(result, None))
 
     def read_index(self, done) -> None:
         self.reads.append(done)
 
-    def leader(self):
-        return self.local.leader()
-
-    def status(self):
-        return self.local.status()
-
-    def forward(self, request, respond) -> bool:
-        return False
-
 
 def _service():
     from qserver.config import Config
     from qserver.state.log import Log
-    from qserver.engines import LeaderInfo, LocalEngine
+    from qserver.engines import LeaderInfo
     from qserver.service import Service
     from qserver.state.store import Store
 
     cfg = Config()
     store = Store(queue_size=cfg.queue_size, virtual_queues=cfg.virtual_queues)
-    local = LocalEngine(store=store, log=Log(), log_size=cfg.log_size,
-                        me=LeaderInfo(node_id=1, host="127.0.0.1", port=1111))
-    engine = _DeferringEngine(local)
+    engine = _DeferringEngine(store=store, log=Log(), log_size=cfg.log_size,
+                              me=LeaderInfo(node_id=1, host="127.0.0.1", port=1111))
     return Service(config=cfg, store=store, engine=engine), engine
 
 

@@ -14,16 +14,32 @@ This module does no I/O.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..state.entries import Entry
 
-__all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done"]
+__all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "Respond", "ForwardedHandler",
+           "FatalHandler", "Role"]
 
 # done(result, error): result is what Store.apply returned; error a reason.
 Done = Callable[[object, "str | None"], None]
+# Sends one answer to a client.
+Respond = Callable[[dict], None]
+# The node's service, for a request a slave forwarded: (request, now_ms, respond).
+ForwardedHandler = Callable[[dict, int, Respond], None]
+# Told when the engine cannot go on (a write or fsync failed): the node stops.
+FatalHandler = Callable[[BaseException], None]
+
+
+class Role(enum.Enum):
+    """A node's role in replication."""
+
+    SLAVE = "slave"
+    CANDIDATE = "candidate"  # electing, or elected and not yet deciding
+    MASTER = "master"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,7 +55,7 @@ class LeaderInfo:
 class EngineStatus:
     """What monitor reports about replication on this node."""
 
-    role: str  # "master", "slave" or "candidate"
+    role: Role
     vote_id: int  # current election epoch
     trans_id: int  # last trans_id in this node's log
     commit_id: int  # last trans_id known committed
@@ -48,10 +64,37 @@ class EngineStatus:
 
 
 class Engine(Protocol):
-    """A replication engine as the service sees it."""
+    """A replication engine, as the node and the service use it: everything
+    they call is here (nothing is probed with hasattr)."""
 
+    # Whether this node is the master now. A plain attribute or a property:
+    # the service reads it on every request.
     @property
     def is_master(self) -> bool: ...
+
+    # True only for an engine that commits every entry as it is appended
+    # (one node without storage, always master): the service's fast path
+    # then calls `commit_now` instead of `propose`.
+    commits_at_once: bool
+
+    # Set by the node before `start`: how a request that a slave forwarded
+    # to this node is answered (the service), and what happens when the
+    # engine cannot go on (the node stops at once).
+    handle_forwarded: ForwardedHandler | None
+    on_fatal: FatalHandler | None
+
+    async def start(self) -> None:
+        """Open links, timers and threads (on the running loop). Raises
+        OSError if a port is taken."""
+
+    async def close(self) -> None:
+        """Orderly stop: fail what waits, close links, flush and close the
+        storage."""
+
+    def halt(self) -> None:
+        """A fatal error elsewhere in the node: carry out nothing more
+        (no write, send or answer); `close` then leaves the storage as a
+        crash would."""
 
     def leader(self) -> LeaderInfo | None:
         """The current master, or None while none is known."""
@@ -59,14 +102,30 @@ class Engine(Protocol):
     def propose(self, entry: Entry, done: Done) -> None:
         """Replicate `entry` (master only); call `done` when it is decided."""
 
+    def commit_now(self, entry: Entry) -> object:
+        """Append, apply and commit `entry` at once and return what apply
+        returned (only when `commits_at_once`)."""
+
     def read_index(self, done: Done) -> None:
         """Call `done(None, None)` once everything this master's state holds
         now is committed and it is known to have been master now (Raft's
         read index), `done(None, reason)` if it loses its role first. For
         answers that append no entry (master only)."""
 
-    def status(self) -> EngineStatus: ...
-
-    def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
-        """Relay a client request to the master (slaves only); False when no
+    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
+        """Relay a client request to the master (slaves only); `respond`
+        gets the master's answer, or a failure if none comes within
+        `timeout_s` (forwarding.FORWARD_TIMEOUT_S if None). False when no
         master is reachable, in which case `respond` is never called."""
+
+    def status(self) -> EngineStatus:
+        """What monitor reports about replication on this node."""
+
+    def slaves(self) -> list[dict] | None:
+        """Per slave, what monitor shows on a master (None: no replication)."""
+
+    def snapshot_info(self) -> dict | None:
+        """What monitor shows about snapshots (None: nothing to show)."""
+
+    def storage_info(self) -> dict | None:
+        """What monitor shows about the log on disk (None without storage)."""

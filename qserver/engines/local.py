@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..state.entries import Entry
 from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
-from .base import Done, EngineStatus, LeaderInfo
+from .base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond, Role
 
 __all__ = ["LocalEngine"]
 
@@ -32,6 +32,18 @@ class LocalEngine:
         # A plain attribute, not a property: the service reads it on every
         # request. Never changes: one node is master forever.
         self.is_master = True
+        # Nothing is forwarded to a lone node, and nothing here can fail.
+        self.handle_forwarded: ForwardedHandler | None = None
+        self.on_fatal: FatalHandler | None = None
+
+    async def start(self) -> None:
+        pass  # no links, timers or threads
+
+    async def close(self) -> None:
+        pass
+
+    def halt(self) -> None:
+        pass  # nothing is carried out later: every entry commits as it is proposed
 
     def leader(self) -> LeaderInfo | None:
         return self.me
@@ -60,10 +72,19 @@ class LocalEngine:
     def read_index(self, done: Done) -> None:
         done(None, None)  # every entry commits as it is appended
 
-    def forward(self, request: dict, respond) -> bool:
+    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
         return False  # always master: nothing to forward to
 
     def status(self) -> EngineStatus:
         last = self.log.last_trans_id
-        return EngineStatus(role="master", vote_id=self.vote_id, trans_id=last,
+        return EngineStatus(role=Role.MASTER, vote_id=self.vote_id, trans_id=last,
                             commit_id=last, applied_id=last, log_size=len(self.log))
+
+    def slaves(self) -> list[dict] | None:
+        return None  # no replication
+
+    def snapshot_info(self) -> dict | None:
+        return None  # no snapshots in memory
+
+    def storage_info(self) -> dict | None:
+        return None

@@ -68,7 +68,6 @@ node applies the same entries in the same order.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ from ...state.entries import Entry, Noop, Record
 from ...errors import InvariantError
 from ...state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ...state.store import Store
-from ..base import Done, EngineStatus, LeaderInfo
+from ..base import Done, EngineStatus, LeaderInfo, Role
 from ..messages import (
     Hello,
     Message,
@@ -105,12 +104,6 @@ class Rng(Protocol):
     random.Random in tests, a fresh one in the node)."""
 
     def randrange(self, stop: int) -> int: ...
-
-
-class Role(enum.Enum):
-    SLAVE = "slave"
-    CANDIDATE = "candidate"
-    MASTER = "master"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,7 +234,7 @@ class NativeCore:
         return peer.client if peer is not None else None
 
     def status(self) -> EngineStatus:
-        return EngineStatus(role=self.role.value, vote_id=self.vote_id,
+        return EngineStatus(role=self.role, vote_id=self.vote_id,
                             trans_id=self.log.last_trans_id, commit_id=self.commit_id,
                             applied_id=self.applied_id, log_size=len(self.log))
 

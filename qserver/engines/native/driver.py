@@ -39,10 +39,9 @@ them, and pulls them later). Then writes are refused until a timer
 (DISK_RETRY_S) finds room again. Any other write error (EIO), or a record
 written outside the room, stops the node as before.
 
-Forwarding: a slave relays a client request to the master as a `Forward`
-message over the internal link and relays the `ForwardReply` back; if the
-master is unknown or unreachable the client hears "no leader" at once, and
-if the master does not answer within FORWARD_TIMEOUT_S, "forward timeout".
+Forwarding (`engines.forwarding`): a slave relays a client request to the
+master over the internal link; if the master is unknown or unreachable the
+client hears "no leader" at once.
 """
 
 from __future__ import annotations
@@ -53,15 +52,16 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from ...config import Config
+from ...config import Config, Fsync, Mode
+from ...errors import InvariantError
 from ...state.entries import Entry
 from ...state.log import Log
+from ..base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond
+from ..forwarding import Forwarder
 from ..peers import PeerNetwork
-from ..base import Done, EngineStatus, LeaderInfo
 from ..messages import (
     Forward,
     ForwardReply,
@@ -77,13 +77,9 @@ from .snapshots import SnapshotFiles
 from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from ...state.store import SnapshotLoader, Store
 
-__all__ = ["ClusterEngine", "FORWARD_TIMEOUT_S", "DEFAULT_TIMING"]
+__all__ = ["ClusterEngine", "DEFAULT_TIMING"]
 
 log = logging.getLogger(__name__)
-
-# A forwarded request that the master has not answered in this time is
-# answered "forward timeout" (the write may or may not have happened).
-FORWARD_TIMEOUT_S = 10.0
 
 # fsync=batch: how often written-but-unsynced log records are fsynced.
 BATCH_SYNC_MS = 5
@@ -112,14 +108,9 @@ CLOSE_SYNC_WAIT_S = 30.0
 def now_ms() -> int:
     """The core's clock: monotonic, for its timers only (elections,
     heartbeats, pulls). A step of the wall clock (NTP, an operator) must not
-    look like a silent master. Message times are wall-clock: see wall_ms."""
+    look like a silent master. Message times are wall-clock (the client
+    protocols', forwarding.wall_ms)."""
     return int(time.monotonic() * 1000)
-
-
-def wall_ms() -> int:
-    """Unix time in ms: what the store's decisions (ready times, ttls)
-    are made with, as server.py hands them to the service."""
-    return int(time.time() * 1000)
 
 
 def _fsync_and_close(fd: int) -> None:
@@ -144,31 +135,31 @@ class ClusterEngine:
             node_id=config.node_id, peer_ids=[p.node_id for p in peers], store=store,
             log=log_, me=LeaderInfo(node_id=config.node_id, host=config.host, port=config.port),
             rng=random.Random(), now_ms=now_ms(), timing=timing,
-            async_mode=config.mode.value == "async", sync_rate=config.sync_rate,
+            async_mode=config.mode is Mode.ASYNC, sync_rate=config.sync_rate,
             log_size=config.log_size, vote_id=vote[0], voted_for=vote[1],
             external_snapshots=True,
             # async mode answers a write once it is on our disk: no deferral
-            deferred_sync=(storage is not None and config.fsync.value == "always"
-                           and config.mode.value != "async"))
+            deferred_sync=(storage is not None and config.fsync is Fsync.ALWAYS
+                           and config.mode is not Mode.ASYNC))
         self.net: PeerNetwork | None = None
+        self.forwarder: Forwarder | None = None
         if peers:
             me = next(p for p in config.peers if p.node_id == config.node_id)
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
                 peers={p.node_id: p.dial_address for p in peers},
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+            self.forwarder = Forwarder(node_id=config.node_id, net=self.net,
+                                       vote_id=lambda: self.core.vote_id)
         self._batch_timer: asyncio.TimerHandle | None = None
-        self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._flush_scheduled = False
-        self._forwards: dict[int, tuple[Callable[[dict], None], asyncio.TimerHandle, int]] = {}
-        self._next_forward = 1
         self._last_role = None
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
-        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.on_fatal: FatalHandler | None = None
         # fsync off the event loop, one at a time: handed to the kernel
         # (KernelSync) or else to a worker thread. `_sync_again` asks for
         # another when it ends; truncations and installs bump the epoch, so
@@ -193,9 +184,20 @@ class ClusterEngine:
 
     # -- Engine interface ----------------------------------------------------
 
+    commits_at_once = False
+
     @property
     def is_master(self) -> bool:
         return self.core.is_master
+
+    @property
+    def handle_forwarded(self) -> ForwardedHandler | None:
+        return self.forwarder.handler if self.forwarder is not None else None
+
+    @handle_forwarded.setter
+    def handle_forwarded(self, handler: ForwardedHandler | None) -> None:
+        if self.forwarder is not None:
+            self.forwarder.handler = handler
 
     def leader(self) -> LeaderInfo | None:
         """The master, as far as clients should be sent to it: not one whose
@@ -210,14 +212,14 @@ class ClusterEngine:
     def status(self) -> EngineStatus:
         return self.core.status()
 
-    def slaves(self) -> list[dict]:
+    def slaves(self) -> list[dict] | None:
         connected = self.net.connected_ids() if self.net else set()
         out = self.core.slaves()
         for s in out:
             s["connected"] = s["node_id"] in connected
         return out
 
-    def snapshot_info(self) -> dict:
+    def snapshot_info(self) -> dict | None:
         """What monitor shows about snapshots (pauses in ms, as measured)."""
         return self.snapshots.info()
 
@@ -240,28 +242,22 @@ class ClusterEngine:
         self.core.read_index(done)
         self._schedule_flush()
 
-    def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
+    def commit_now(self, entry: Entry) -> object:
+        raise InvariantError("commit_now on an engine that does not commit at once")
+
+    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
         """Relay a client request to the master; False if none is reachable."""
         leader_id = self.core.leader_id
-        if (not leader_id or leader_id == self.config.node_id or self.net is None
-                or not self.net.connected(leader_id)):
+        if not leader_id or leader_id == self.config.node_id or self.forwarder is None:
             return False
-        request_id = self._next_forward
-        self._next_forward += 1
-        msg = Forward(vote_id=self.core.vote_id, node_id=self.config.node_id,
-                      request_id=request_id, request=request)
-        if not self.net.send(leader_id, message_to_wire(msg)):
-            return False
-        timer = self._loop.call_later(FORWARD_TIMEOUT_S, self._forward_timeout, request_id)
-        self._forwards[request_id] = (respond, timer, leader_id)
-        return True
+        return self.forwarder.forward(leader_id, request, respond, timeout_s)
 
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.snapshots.start(self._loop)
-        if self.storage is not None and self.config.fsync.value != "off":
+        if self.storage is not None and self.config.fsync is not Fsync.OFF:
             self._kernel_sync = KernelSync.create()
             if self._kernel_sync is not None:
                 self._loop.add_reader(self._kernel_sync.fileno(), self._kernel_sync_done)
@@ -278,8 +274,8 @@ class ClusterEngine:
             self._disk_timer.cancel()
         if self._batch_timer is not None:
             self._batch_timer.cancel()
-        for request_id in list(self._forwards):
-            self._fail_forward(request_id, "node shutting down")
+        if self.forwarder is not None:
+            self.forwarder.close()
         self.snapshots.stop()
         if self.net is not None:
             await self.net.close()
@@ -316,13 +312,10 @@ class ClusterEngine:
             return
         t = type(msg)
         if t is Forward:
-            self._serve_forward(peer_id, msg)
+            self.forwarder.serve(peer_id, msg)
             return
         if t is ForwardReply:
-            pending = self._forwards.pop(msg.request_id, None)
-            if pending is not None:
-                pending[1].cancel()
-                pending[0](msg.response)
+            self.forwarder.on_reply(msg)
             return
         if t is SnapshotChunk:
             self.snapshots.on_chunk(peer_id, msg)
@@ -357,30 +350,8 @@ class ClusterEngine:
             self.core.link_up(peer_id)
             self._schedule_flush()
         else:
-            for request_id, (_, _, target) in list(self._forwards.items()):
-                if target == peer_id:
-                    self._fail_forward(request_id, "master unreachable; outcome unknown")
+            self.forwarder.link_down(peer_id)
             self.snapshots.drop_stream(peer_id)
-
-    def _serve_forward(self, peer_id: int, msg: Forward) -> None:
-        def respond(response: dict) -> None:
-            reply = ForwardReply(vote_id=self.core.vote_id, node_id=self.config.node_id,
-                                 request_id=msg.request_id, response=response)
-            self.net.send(peer_id, message_to_wire(reply))
-
-        if self.handle_forwarded is None:
-            respond({"code": -1, "reason": "no leader"})
-            return
-        self.handle_forwarded(msg.request, wall_ms(), respond)
-
-    def _forward_timeout(self, request_id: int) -> None:
-        self._fail_forward(request_id, "forward timeout; outcome unknown")
-
-    def _fail_forward(self, request_id: int, reason: str) -> None:
-        pending = self._forwards.pop(request_id, None)
-        if pending is not None:
-            pending[1].cancel()
-            pending[0]({"code": -1, "reason": reason})
 
     # -- carrying out the core's Ready ----------------------------------------
 
@@ -447,15 +418,15 @@ class ClusterEngine:
         if ready.records:
             storage.append(ready.records)
         if storage.dirty:
-            policy = self.config.fsync.value
-            if policy == "always" and not (self.core.deferred_sync and self.core.is_master):
+            policy = self.config.fsync
+            if policy is Fsync.ALWAYS and not (self.core.deferred_sync and self.core.is_master):
                 # A slave's answers vouch for its records: sync before they
                 # go. (Deferring this too, holding the answers until a
                 # threaded fsync ends, cost the cluster 40% more CPU per
                 # write in bench/durability_bench.py: slower.)
                 storage.sync()
                 self.core.synced_to(storage.next_trans_id - 1)
-            elif policy != "off":  # a deferring master's records went out already
+            elif policy is not Fsync.OFF:  # a deferring master's records went out already
                 self._sync_when_due()
 
     def _sync_when_due(self) -> None:

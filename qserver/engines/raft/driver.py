@@ -17,9 +17,9 @@ speculatively applied entries (see its docstring for why that is safe).
 
 Forwarding and redirects use the native engine's peer links (`peers`,
 authenticated msgpack on the internal port): a `Hello` on every link tells
-each node the others' client addresses; a slave relays a client request as
-`Forward` to the node pysyncobj names as leader and relays the
-`ForwardReply`.
+each node the others' client addresses; a slave relays a client request to
+the node pysyncobj names as leader (`engines.forwarding`, as the native
+engine does).
 
 Authentication: pysyncobj always runs with a password (without one it
 unpickles whatever reaches its port). It is HMAC-SHA256 of `<cluster
@@ -65,14 +65,24 @@ from pysyncobj.journal import FileJournal, MemoryJournal
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
-from ...config import Config, Fsync
+from ...config import Config, Fsync, Mode
+from ...errors import InvariantError
 from ...state.entries import Entry, Noop
+from ...state.store import Store
+from ..base import (
+    Done,
+    EngineStatus,
+    FatalHandler,
+    ForwardedHandler,
+    LeaderInfo,
+    Respond,
+    Role,
+)
+from ..forwarding import Forwarder
+from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from ..peers import PeerNetwork
 from .appends import RaftAppends
-from ..base import Done, EngineStatus, LeaderInfo
-from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
 from .machine import OUTCOME_UNKNOWN, RaftMachine
-from ...state.store import Store
 
 __all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
 
@@ -81,10 +91,6 @@ log = logging.getLogger(__name__)
 # pysyncobj listens on the internal port + this (the internal port itself
 # carries the peer links used for forwarding). Documented in the README.
 RAFT_PORT_OFFSET = 1000
-
-# As the native engine: a forwarded request unanswered this long is
-# answered "forward timeout; outcome unknown".
-FORWARD_TIMEOUT_S = 10.0
 
 # fsync="batch": the journal is fsynced at most this long after a write.
 BATCH_SYNC_MS = 5
@@ -302,7 +308,7 @@ class RaftEngine:
         self.store = store
         self.me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
         self.machine = RaftMachine(store=store, node_id=config.node_id,
-                                   async_mode=config.mode.value == "async")
+                                   async_mode=config.mode is Mode.ASYNC)
         peers = config.peers or ()
         self._raft_addr: dict[int, str] = {p.node_id: f"{p.host}:{p.port + RAFT_PORT_OFFSET}"
                                            for p in peers}
@@ -310,27 +316,40 @@ class RaftEngine:
         self._clients: dict[int, LeaderInfo] = {config.node_id: self.me}
         others = [p for p in peers if p.node_id != config.node_id]
         self.net: PeerNetwork | None = None
+        self.forwarder: Forwarder | None = None
         if others:
             me = next(p for p in peers if p.node_id == config.node_id)
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
                 peers={p.node_id: p.dial_address for p in others},
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+            self.forwarder = Forwarder(node_id=config.node_id, net=self.net, vote_id=self._term)
         self.sync: _QueueSync | None = None
-        self.handle_forwarded: Callable[[dict, int, Callable[[dict], None]], None] | None = None
+        # The raft engine cannot fail on its own in a way the node must hear
+        # of here: what escapes pysyncobj's thread is raised on the loop.
+        self.on_fatal: FatalHandler | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tmp_dir: str | None = None
         self._raft_state = _FOLLOWER  # pysyncobj's state, as last reported to the loop
         self._leader_term: int | None = None  # term in which pysyncobj made us leader
         self._closing = False
-        self._forwards: dict[int, tuple[Callable[[dict], None], asyncio.TimerHandle, int]] = {}
-        self._next_forward = 1
         self._reads: list[Done] = []  # reads of this turn, waiting for their marker
-        self._last_role: str | None = None
+        self._last_role: Role | None = None
         # A plain attribute, not a property: the service reads it per request.
         self.is_master = False
 
     # -- Engine interface --------------------------------------------------------
+
+    commits_at_once = False
+
+    @property
+    def handle_forwarded(self) -> ForwardedHandler | None:
+        return self.forwarder.handler if self.forwarder is not None else None
+
+    @handle_forwarded.setter
+    def handle_forwarded(self, handler: ForwardedHandler | None) -> None:
+        if self.forwarder is not None:
+            self.forwarder.handler = handler
 
     def leader(self) -> LeaderInfo | None:
         if self.is_master:
@@ -346,13 +365,13 @@ class RaftEngine:
     def status(self) -> EngineStatus:
         s = self.sync
         if s is None:
-            return EngineStatus(role="slave", vote_id=0, trans_id=0, commit_id=0,
+            return EngineStatus(role=Role.SLAVE, vote_id=0, trans_id=0, commit_id=0,
                                 applied_id=0, log_size=0)
         return EngineStatus(role=self._role(), vote_id=s.raftCurrentTerm, trans_id=s.last_index(),
                             commit_id=s.raftCommitIndex, applied_id=self.machine.applied_index,
                             log_size=s._getRaftLogSize())
 
-    def slaves(self) -> list[dict]:
+    def slaves(self) -> list[dict] | None:
         """Per slave: match position and lag, from pysyncobj's status."""
         if self.sync is None:
             return []
@@ -367,6 +386,12 @@ class RaftEngine:
             out.append({"node_id": node_id, "match_id": match, "lag": last - match,
                         "connected": node_id in connected})
         return out
+
+    def snapshot_info(self) -> dict | None:
+        return None  # pysyncobj's snapshots: nothing measured to show
+
+    def storage_info(self) -> dict | None:
+        return None  # pysyncobj's journal: nothing measured to show
 
     def propose(self, entry: Entry, done: Done) -> None:
         payload = self.machine.propose(entry, done)
@@ -399,21 +424,15 @@ class RaftEngine:
 
         self.propose(Noop(), done)
 
-    def forward(self, request: dict, respond: Callable[[dict], None]) -> bool:
+    def commit_now(self, entry: Entry) -> object:
+        raise InvariantError("commit_now on an engine that does not commit at once")
+
+    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
         """Relay a client request to the master; False if none is reachable."""
         leader = self.leader()
-        if leader is None or self.net is None or not self.net.connected(leader.node_id):
+        if leader is None or self.forwarder is None:
             return False
-        request_id = self._next_forward
-        self._next_forward += 1
-        msg = Forward(vote_id=self._term(), node_id=self.config.node_id,
-                      request_id=request_id, request=request)
-        if not self.net.send(leader.node_id, message_to_wire(msg)):
-            return False
-        timer = self._loop.call_later(FORWARD_TIMEOUT_S, self._fail_forward, request_id,
-                                      "forward timeout; outcome unknown")
-        self._forwards[request_id] = (respond, timer, leader.node_id)
-        return True
+        return self.forwarder.forward(leader.node_id, request, respond, timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -452,10 +471,16 @@ class RaftEngine:
                  cfg.node_id, self_addr, len(others), cfg.storage_dir or "none (memory)",
                  cfg.fsync.value if cfg.storage_dir else "-")
 
+    def halt(self) -> None:
+        """A fatal error elsewhere in the node: hand nothing more from
+        pysyncobj's thread to the loop (nothing more is applied or
+        answered)."""
+        self._closing = True
+
     async def close(self) -> None:
         self._closing = True
-        for request_id in list(self._forwards):
-            self._fail_forward(request_id, "node shutting down")
+        if self.forwarder is not None:
+            self.forwarder.close()
         if self.sync is not None:
             await asyncio.to_thread(self.sync.destroy_synchronous)
         if self.net is not None:
@@ -567,14 +592,14 @@ class RaftEngine:
         role = self._role()
         if role != self._last_role:
             self._last_role = role
-            log.info("node %d: %s in term %d", self.config.node_id, role, self._term())
+            log.info("node %d: %s in term %d", self.config.node_id, role.value, self._term())
 
-    def _role(self) -> str:
+    def _role(self) -> Role:
         if self.is_master:
-            return "master"
+            return Role.MASTER
         if self._raft_state == _FOLLOWER:
-            return "slave"
-        return "candidate"  # electing, or elected and not yet deciding
+            return Role.SLAVE
+        return Role.CANDIDATE  # electing, or elected and not yet deciding
 
     def _term(self) -> int:
         return self.sync.raftCurrentTerm if self.sync is not None else 0
@@ -587,9 +612,7 @@ class RaftEngine:
                 vote_id=self._term(), node_id=self.config.node_id,
                 client_host=self.config.host, client_port=self.config.port)))
         else:
-            for request_id, (_, _, target) in list(self._forwards.items()):
-                if target == peer_id:
-                    self._fail_forward(request_id, "master unreachable; outcome unknown")
+            self.forwarder.link_down(peer_id)
 
     def _on_message(self, peer_id: int, obj: object) -> None:
         msg = message_from_peer(peer_id, obj)
@@ -601,27 +624,7 @@ class RaftEngine:
             self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
                                                 port=msg.client_port)
         elif t is Forward:
-            self._serve_forward(peer_id, msg)
+            self.forwarder.serve(peer_id, msg)
         elif t is ForwardReply:
-            pending = self._forwards.pop(msg.request_id, None)
-            if pending is not None:
-                pending[1].cancel()
-                pending[0](msg.response)
+            self.forwarder.on_reply(msg)
         # Anything else is the native engine's: not ours to act on.
-
-    def _serve_forward(self, peer_id: int, msg: Forward) -> None:
-        def respond(response: dict) -> None:
-            reply = ForwardReply(vote_id=self._term(), node_id=self.config.node_id,
-                                 request_id=msg.request_id, response=response)
-            self.net.send(peer_id, message_to_wire(reply))
-
-        if self.handle_forwarded is None:
-            respond({"code": -1, "reason": "no leader"})
-            return
-        self.handle_forwarded(msg.request, int(time.time() * 1000), respond)
-
-    def _fail_forward(self, request_id: int, reason: str) -> None:
-        pending = self._forwards.pop(request_id, None)
-        if pending is not None:
-            pending[1].cancel()
-            pending[0]({"code": -1, "reason": reason})

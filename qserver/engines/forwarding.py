@@ -1,0 +1,126 @@
+"""Forwarding: a slave relays a client request to the master over the
+node-to-node links, and relays the answer back. Both engines use it.
+
+Slave side: `forward(leader_id, request, respond)` sends a `Forward` and
+keeps `respond` until the master's `ForwardReply` comes back. The client
+hears exactly one answer: the master's, or a failure that says the write's
+outcome is unknown (the master did not answer within the timeout, its link
+went down, or the node is shutting down). The timeout is FORWARD_TIMEOUT_S
+unless the request asks for another (a consume that the master may park,
+say).
+
+Master side: `serve(peer_id, msg)` hands the request to the node's service
+(`handler`, set by the node) as a forwarded request, and sends its answer
+back to the slave that asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from .base import ForwardedHandler, Respond
+from .messages import Forward, ForwardReply, message_to_wire
+from .peers import PeerNetwork
+
+__all__ = ["Forwarder", "FORWARD_TIMEOUT_S", "wall_ms"]
+
+# A forwarded request that the master has not answered in this time is
+# answered "forward timeout" (the write may or may not have happened). Long
+# enough for a quorum write on a loaded cluster, short enough that a client
+# of a master that hangs without dropping its links hears something.
+FORWARD_TIMEOUT_S = 10.0
+
+
+
+def wall_ms() -> int:
+    """Unix time in ms: what the store's decisions (ready times, ttls) are
+    made with, as the client protocols hand it to the service. Never the
+    engines' monotonic timer clock."""
+    return time.time_ns() // 1_000_000
+
+
+# What the client of a forwarded request hears when no answer will come.
+TIMED_OUT = "forward timeout; outcome unknown"
+MASTER_UNREACHABLE = "master unreachable; outcome unknown"
+SHUTTING_DOWN = "node shutting down"
+NO_LEADER = "no leader"
+
+
+class Forwarder:
+    """The forwards of one node: those it sent (waiting for the master's
+    answer) and those it serves as master."""
+
+    def __init__(self, *, node_id: int, net: PeerNetwork, vote_id: Callable[[], int]) -> None:
+        self.node_id = node_id
+        self.net = net
+        self._vote_id = vote_id  # the engine's current epoch, stamped on each message
+        # Set by the node: how a forwarded request is answered on the master.
+        self.handler: ForwardedHandler | None = None
+        # request_id -> (respond, timeout timer, master's node id); an entry
+        # exists exactly while its client has not been answered.
+        self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int]] = {}
+        self._next_id = 1
+
+    def forward(self, leader_id: int, request: dict, respond: Respond,
+                timeout_s: float | None = None) -> bool:
+        """Send `request` to the master `leader_id`; `respond` gets its
+        answer, or a failure after `timeout_s` (FORWARD_TIMEOUT_S if None).
+        False, without calling `respond`, if the link to the master is down."""
+        if not self.net.connected(leader_id):
+            return False
+        request_id = self._next_id
+        self._next_id += 1
+        msg = Forward(vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id,
+                      request=request)
+        if not self.net.send(leader_id, message_to_wire(msg)):
+            return False
+        timer = asyncio.get_running_loop().call_later(
+            FORWARD_TIMEOUT_S if timeout_s is None else timeout_s,
+            self._fail, request_id, TIMED_OUT)
+        self._pending[request_id] = (respond, timer, leader_id)
+        return True
+
+    def on_reply(self, msg: ForwardReply) -> None:
+        """The master answered a request we forwarded."""
+        pending = self._pending.pop(msg.request_id, None)
+        if pending is not None:
+            pending[1].cancel()
+            pending[0](msg.response)
+
+    def serve(self, peer_id: int, msg: Forward) -> None:
+        """A slave forwarded a client request to us: answer it through the
+        service, and send the answer back."""
+        def respond(response: dict) -> None:
+            reply = ForwardReply(vote_id=self._vote_id(), node_id=self.node_id,
+                                 request_id=msg.request_id, response=response)
+            self.net.send(peer_id, message_to_wire(reply))
+
+        if self.handler is None:
+            respond({"code": -1, "reason": NO_LEADER})
+            return
+        self.handler(msg.request, wall_ms(), respond)
+
+    def link_down(self, peer_id: int) -> None:
+        """The link to `peer_id` broke: the requests forwarded to it will not
+        be answered."""
+        for request_id, (_, _, target) in list(self._pending.items()):
+            if target == peer_id:
+                self._fail(request_id, MASTER_UNREACHABLE)
+
+    def close(self) -> None:
+        """The node is stopping: answer every request still waiting."""
+        for request_id in list(self._pending):
+            self._fail(request_id, SHUTTING_DOWN)
+
+    @property
+    def waiting(self) -> int:
+        """Forwarded requests not yet answered."""
+        return len(self._pending)
+
+    def _fail(self, request_id: int, reason: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending[1].cancel()
+            pending[0]({"code": -1, "reason": reason})
