@@ -89,6 +89,9 @@ class Node:
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
         self._stopped = asyncio.Event()
+        # Set during shutdown while connections owe answers: set once none
+        # owes any (connection_idle); None otherwise.
+        self._drained: asyncio.Event | None = None
         self._gc_timer: asyncio.TimerHandle | None = None
 
     def _recover(self, config: Config) -> tuple[int, int]:
@@ -162,6 +165,13 @@ class Node:
     def stop(self) -> None:
         self._stopped.set()
 
+    def connection_idle(self) -> None:
+        """A connection owes no answers any more (or closed): during
+        shutdown, the drain ends once every connection is idle."""
+        drained = self._drained
+        if drained is not None and all(c.idle for c in self.connections):
+            drained.set()
+
     # -- fail-stop -------------------------------------------------------------
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -225,10 +235,14 @@ class Node:
         if self._udp is not None:
             self._udp.close()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + SHUTDOWN_GRACE_S
-        while (not self.failed and any(not c.idle for c in self.connections)
-               and loop.time() < deadline):
-            await asyncio.sleep(0.01)
+        if not self.failed and any(not c.idle for c in self.connections):
+            self._drained = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._drained.wait(), SHUTDOWN_GRACE_S)
+            except TimeoutError:
+                log.warning("node %d: answers still owed after %g s; closing anyway",
+                            self.config.node_id, SHUTDOWN_GRACE_S)
+            self._drained = None
         for c in list(self.connections):
             if c.transport is not None:
                 if self.failed:

@@ -97,6 +97,7 @@ class ClientTcpProtocol(asyncio.Protocol):
         self.node.connections.discard(self)
         self.transport = None
         self.slots.clear()
+        self.node.connection_idle()
 
     def data_received(self, data: bytes) -> None:
         items = self._feed(data)
@@ -172,6 +173,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         if transport is None:
             return
         self._write_head()
+        if not self.slots:
+            self.node.connection_idle()
         if self.closing and not self.slots:
             transport.close()
         elif self.too_many_slots and len(self.slots) <= MAX_PIPELINE // 2:
