@@ -60,7 +60,7 @@ class Node:
             vote = self._recover(config)
         if config.engine is ConfigEngine.RAFT:
             # pysyncobj keeps its own journal and snapshot in the data
-            # directory and recovers from them itself (raft_engine).
+            # directory and recovers from them itself (engines/raft/driver.py).
             from .engines.raft.driver import RaftEngine
 
             self.engine = RaftEngine(config=config, store=self.store)

@@ -32,6 +32,8 @@ Rules
   reason), a refused write ("queue full", "time error"), an empty consume
   (code 0, no msg_id), a committed write, or a write that failed to commit.
 - Nothing here reads a clock or touches a socket: `now_ms` comes in.
+
+This module does no I/O.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SnapshotFiles receiving snapshot files from masters (snapshot_transfer):
+"""SnapshotFiles receiving snapshot files from masters (engines/native/snapshots.py):
 two streams can end in one loop turn (a deposed master's, started before
 an election, and the new master's); the core takes at most one, and the
 flush must install exactly that file and discard the other."""

@@ -7,11 +7,11 @@ Theory of operation
 pysyncobj runs its own thread (election, log replication, its journal and
 snapshots) on its own port: the node's internal port + RAFT_PORT_OFFSET.
 Commands are qserver's log entries in their wire form (msgpack, wrapped by
-`replication.raft`), never pickles of our objects. Everything that touches
+`machine`), never pickles of our objects. Everything that touches
 the store runs on the asyncio thread: pysyncobj's thread hands over each
 committed command, each change of its raft state, each failed proposal and
 each snapshot with `loop.call_soon_threadsafe`, so the loop sees them in the
-order pysyncobj produced them. `replication.raft.RaftMachine` decides, on
+order pysyncobj produced them. `machine.RaftMachine` decides, on
 every node alike, which committed commands count, and keeps the master's
 speculatively applied entries (see its docstring for why that is safe).
 
