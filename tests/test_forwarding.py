@@ -128,12 +128,12 @@ def test_the_master_serves_a_forward_and_answers_the_slave(with_handler):
     async def main():
         fwd, net = make(up=(2,), node_id=1)
         seen: list[tuple[dict, int]] = []
-        if with_handler:
-            def handler(request: dict, now_ms: int, respond) -> None:
-                seen.append((request, now_ms))
-                respond({"code": 0, "echo": request["queue"]})
-            fwd.handler = handler
-        fwd.serve(2, Forward(vote_id=7, node_id=2, request_id=41, request={"queue": "q"}))
+        def handler(request: dict, now_ms: int, respond) -> None:
+            seen.append((request, now_ms))
+            respond({"code": 0, "echo": request["queue"]})
+
+        fwd.serve(2, Forward(vote_id=7, node_id=2, request_id=41, request={"queue": "q"}),
+                  handler if with_handler else None)
         (peer, wire), = net.sent
         reply = decode(1, wire)
         assert peer == 2 and type(reply) is ForwardReply and reply.request_id == 41

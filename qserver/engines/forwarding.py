@@ -9,9 +9,9 @@ went down, or the node is shutting down). The timeout is FORWARD_TIMEOUT_S
 unless the request asks for another (a consume that the master may park,
 say).
 
-Master side: `serve(peer_id, msg)` hands the request to the node's service
-(`handler`, set by the node) as a forwarded request, and sends its answer
-back to the slave that asked.
+Master side: `serve(peer_id, msg, handler)` hands the request to the
+node's service (the engine's `handle_forwarded`, set by the node) and sends
+its answer back to the slave that asked.
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ class Forwarder:
         self.node_id = node_id
         self.net = net
         self._vote_id = vote_id  # the engine's current epoch, stamped on each message
-        # Set by the node: how a forwarded request is answered on the master.
-        self.handler: ForwardedHandler | None = None
         # request_id -> (respond, timeout timer, master's node id); an entry
         # exists exactly while its client has not been answered.
         self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int]] = {}
@@ -89,18 +87,19 @@ class Forwarder:
             pending[1].cancel()
             pending[0](msg.response)
 
-    def serve(self, peer_id: int, msg: Forward) -> None:
-        """A slave forwarded a client request to us: answer it through the
-        service, and send the answer back."""
+    def serve(self, peer_id: int, msg: Forward, handler: ForwardedHandler | None) -> None:
+        """A slave forwarded a client request to us: answer it through
+        `handler` (the service; None before the node set it), and send the
+        answer back."""
         def respond(response: dict) -> None:
             reply = ForwardReply(vote_id=self._vote_id(), node_id=self.node_id,
                                  request_id=msg.request_id, response=response)
             self.net.send(peer_id, message_to_wire(reply))
 
-        if self.handler is None:
+        if handler is None:
             respond({"code": -1, "reason": NO_LEADER})
             return
-        self.handler(msg.request, wall_ms(), respond)
+        handler(msg.request, wall_ms(), respond)
 
     def link_down(self, peer_id: int) -> None:
         """The link to `peer_id` broke: the requests forwarded to it will not

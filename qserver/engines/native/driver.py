@@ -157,6 +157,8 @@ class ClusterEngine:
         self._timer_at = 0
         self._flush_scheduled = False
         self._last_role = None
+        # Set by the node: how a request a slave forwarded is answered.
+        self.handle_forwarded: ForwardedHandler | None = None
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: FatalHandler | None = None
@@ -189,15 +191,6 @@ class ClusterEngine:
     @property
     def is_master(self) -> bool:
         return self.core.is_master
-
-    @property
-    def handle_forwarded(self) -> ForwardedHandler | None:
-        return self.forwarder.handler if self.forwarder is not None else None
-
-    @handle_forwarded.setter
-    def handle_forwarded(self, handler: ForwardedHandler | None) -> None:
-        if self.forwarder is not None:
-            self.forwarder.handler = handler
 
     def leader(self) -> LeaderInfo | None:
         """The master, as far as clients should be sent to it: not one whose
@@ -312,7 +305,7 @@ class ClusterEngine:
             return
         t = type(msg)
         if t is Forward:
-            self.forwarder.serve(peer_id, msg)
+            self.forwarder.serve(peer_id, msg, self.handle_forwarded)
             return
         if t is ForwardReply:
             self.forwarder.on_reply(msg)

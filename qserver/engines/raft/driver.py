@@ -325,6 +325,8 @@ class RaftEngine:
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
             self.forwarder = Forwarder(node_id=config.node_id, net=self.net, vote_id=self._term)
         self.sync: _QueueSync | None = None
+        # Set by the node: how a request a slave forwarded is answered.
+        self.handle_forwarded: ForwardedHandler | None = None
         # The raft engine cannot fail on its own in a way the node must hear
         # of here: what escapes pysyncobj's thread is raised on the loop.
         self.on_fatal: FatalHandler | None = None
@@ -341,15 +343,6 @@ class RaftEngine:
     # -- Engine interface --------------------------------------------------------
 
     commits_at_once = False
-
-    @property
-    def handle_forwarded(self) -> ForwardedHandler | None:
-        return self.forwarder.handler if self.forwarder is not None else None
-
-    @handle_forwarded.setter
-    def handle_forwarded(self, handler: ForwardedHandler | None) -> None:
-        if self.forwarder is not None:
-            self.forwarder.handler = handler
 
     def leader(self) -> LeaderInfo | None:
         if self.is_master:
@@ -624,7 +617,7 @@ class RaftEngine:
             self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
                                                 port=msg.client_port)
         elif t is Forward:
-            self.forwarder.serve(peer_id, msg)
+            self.forwarder.serve(peer_id, msg, self.handle_forwarded)
         elif t is ForwardReply:
             self.forwarder.on_reply(msg)
         # Anything else is the native engine's: not ours to act on.
