@@ -17,14 +17,18 @@ import gc
 import logging
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .config import Config
 from .config import Engine as ConfigEngine
-from .engines import LeaderInfo, LocalEngine
+from .engines import Engine, LeaderInfo, LocalEngine
 from .server import ClientTcpProtocol, ClientUdpProtocol
 from .service import Service
 from .state.log import Log
 from .state.store import Store
+
+if TYPE_CHECKING:
+    from .storage import DiskStorage
 
 __all__ = ["Node"]
 
@@ -54,10 +58,11 @@ class Node:
         self.config = config
         self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
         self.log = Log()
-        self.storage = None
+        self.storage: DiskStorage | None = None
+        self.engine: Engine
         vote = (0, 0)
         if config.storage_dir and config.engine is not ConfigEngine.RAFT:
-            vote = self._recover(config)
+            vote = self._recover(config, config.storage_dir)
         if config.engine is ConfigEngine.RAFT:
             # pysyncobj keeps its own journal and snapshot in the data
             # directory and recovers from them itself (engines/raft/driver.py).
@@ -84,7 +89,9 @@ class Node:
         # program), a fatal error stops the node without draining.
         self.halt: Callable[[int], None] | None = None
         self.failed = False  # a fatal error happened: nothing more is answered
-        self._previous_handler = None  # the loop's exception handler before start()
+        # The loop's exception handler before start(), put back at shutdown.
+        self._previous_handler: Callable[[asyncio.AbstractEventLoop, dict[str, Any]],
+                                         object] | None = None
         self.connections: set[ClientTcpProtocol] = set()
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
@@ -94,17 +101,17 @@ class Node:
         self._drained: asyncio.Event | None = None
         self._gc_timer: asyncio.TimerHandle | None = None
 
-    def _recover(self, config: Config) -> tuple[int, int]:
+    def _recover(self, config: Config, directory: str) -> tuple[int, int]:
         """Open the data directory and load the newest valid snapshot and the
         log after it. Raises StorageError (file and offset) on corruption
         before the log's tail. Returns the persisted (vote_id, voted_for)."""
         from .storage import DiskStorage
 
-        self.storage = DiskStorage.open(config.storage_dir, config.fsync)
+        self.storage = storage = DiskStorage.open(directory, config.fsync)
         try:
-            recovered = self.storage.recover(sink_factory=self.store.snapshot_loader)
+            recovered = storage.recover(sink_factory=self.store.snapshot_loader)
         except BaseException:
-            self.storage.abandon()
+            storage.abandon()
             raise
         for report in recovered.reports:
             log.warning("recovery: %s", report)

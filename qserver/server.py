@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from .engines.base import JsonObject, Respond
 from .errors import BadRequest, ProtocolError
 from .wire.codec import (
     MAX_UDP_PAYLOAD,
@@ -67,11 +68,12 @@ _time_ns = time.time_ns
 class ClientTcpProtocol(asyncio.Protocol):
     """One client connection: a stream of JSON requests, answered in order."""
 
-    def __init__(self, node: "Node") -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
         self.transport: asyncio.Transport | None = None
         self.decoder = StreamDecoder(node.config.max_request_size)
-        self.slots: deque[list] = deque()  # [encoded answer or None], in request order
+        # [encoded answer or None] per request, in request order
+        self.slots: deque[list[bytes | None]] = deque()
         self.batching = False  # inside data_received: flush once at its end
         self.closing = False  # close once every slot is written
         # Reading is paused while either holds (back-pressure); `paused`
@@ -130,7 +132,7 @@ class ClientTcpProtocol(asyncio.Protocol):
             if not countdown:  # a long read: what is answered goes out now
                 countdown = WRITE_EVERY_ITEMS
                 self._write_head()
-            slot = [None]
+            slot: list[bytes | None] = [None]
             slots.append(slot)
             kind = type(item)
             if kind is dict:
@@ -153,15 +155,18 @@ class ClientTcpProtocol(asyncio.Protocol):
             self.too_many_slots = True
             self._update_reading()
 
-    def _responder(self, slot: list):
-        def respond(response: dict) -> None:
+    def _responder(self, slot: list[bytes | None]) -> Respond:
+        loop = self._loop
+        assert loop is not None  # set in connection_made, before any data
+
+        def respond(response: JsonObject) -> None:
             slot[0] = encode_response(response)
             if not self.batching and not self.flush_pending:
                 # Answers of replicated writes arrive together (one commit
                 # answers many): one write for all of them, at the end of
                 # this turn, instead of one write(2) each.
                 self.flush_pending = True
-                self._loop.call_soon(self._deferred_flush)
+                loop.call_soon(self._deferred_flush)
         return respond
 
     def _deferred_flush(self) -> None:
@@ -188,12 +193,18 @@ class ClientTcpProtocol(asyncio.Protocol):
             return
         slots = self.slots
         if len(slots) == 1:
-            if slots[0][0] is not None:
-                transport.write(slots.popleft()[0])
+            answer = slots[0][0]
+            if answer is not None:
+                slots.popleft()
+                transport.write(answer)
         else:
-            out = []
-            while slots and slots[0][0] is not None:
-                out.append(slots.popleft()[0])
+            out: list[bytes] = []
+            while slots:
+                answer = slots[0][0]
+                if answer is None:
+                    break
+                slots.popleft()
+                out.append(answer)
             if out:
                 transport.write(b"".join(out))
 
@@ -227,7 +238,7 @@ class ClientTcpProtocol(asyncio.Protocol):
 class ClientUdpProtocol(asyncio.DatagramProtocol):
     """One JSON request per datagram, one answer datagram to the sender."""
 
-    def __init__(self, node: "Node") -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
         self.transport: asyncio.DatagramTransport | None = None
         self.max_size = node.config.max_udp_request_size

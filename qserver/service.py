@@ -39,31 +39,36 @@ This module does no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 from .config import Config
+from .engines.base import Engine, JsonObject, Respond, Role
 from .errors import BadRequest
+from .state.entries import Confirm, Consume
+from .state.store import Store
 from .wire.codec import error_response
-from .engines.base import Engine, Role
 from .wire.requests import (
+    MAX_QUEUE_NAME,
+    MAX_TIME_S,
     ConfirmRequest,
     ConsumeRequest,
     LeaderRequest,
     ListRequest,
     MonitorRequest,
     ProduceRequest,
-    MAX_QUEUE_NAME,
-    MAX_TIME_S,
     UnsupportedRequest,
     parse_request,
 )
-from .state.store import Store
 
 __all__ = ["Service", "Respond"]
 
-Respond = Callable[[dict], None]
+# Adds a committed write's result to its answer (a consume's message).
+Fill = Callable[[JsonObject, Any], None]
+# Builds the answer of a monitor or list request.
+ReadAnswer = Callable[[JsonObject, Any, int], JsonObject]
 
 
-def _consumed(obj: dict, result: tuple) -> None:
+def _consumed(obj: JsonObject, result: tuple[int, str]) -> None:
     obj["msg_id"], obj["data"] = result
 
 
@@ -76,7 +81,8 @@ class Service:
         self.engine = engine
         self._commits_at_once = engine.commits_at_once
 
-    def handle(self, obj: object, now_ms: int, respond: Respond, *, forwarded: bool = False) -> None:
+    def handle(self, obj: object, now_ms: int, respond: Respond, *,
+               forwarded: bool = False) -> None:
         """Answer one decoded request (any JSON value) through `respond`.
 
         `forwarded`: the request came from a slave; if this node is not the
@@ -89,7 +95,7 @@ class Service:
                 return
         self.handle_general(obj, now_ms, respond, forwarded=forwarded)
 
-    def answer_now(self, obj: object, now_ms: int) -> dict | None:
+    def answer_now(self, obj: object, now_ms: int) -> JsonObject | None:
         """The fast path: answer a produce, consume or confirm of the usual
         shape at once, when the engine commits at once (a single node).
 
@@ -107,7 +113,7 @@ class Service:
         field, a bool) takes the general path, which also words the
         reasons. Cost: that of the store's decide and apply.
         """
-        if not self._commits_at_once or type(obj) is not dict:
+        if not self._commits_at_once or not isinstance(obj, dict):
             return None
         get = obj.get
         action = get("action")
@@ -143,10 +149,10 @@ class Service:
                 if retry is None:
                     retry = 0
             store = self.store
-            outcome = store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
-            if type(outcome) is str:
-                return error_response(outcome, obj)
-            targets = self.engine.commit_now(outcome)
+            produced = store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
+            if isinstance(produced, str):
+                return error_response(produced, obj)
+            targets = self.engine.commit_now(produced)
             obj["code"] = 0
             obj["msg_id"] = targets[0][1]
             if queue in store.virtual_queues:
@@ -157,24 +163,24 @@ class Service:
             pop = obj.pop
             pop("msg_id", None)
             pop("data", None)
-            outcome = self.store.decide_consume_values(queue, now_ms)
-            if outcome is None:
+            consumed = self.store.decide_consume_values(queue, now_ms)
+            if consumed is None:
                 obj["code"] = 0
                 return obj
-            if type(outcome) is str:
-                return error_response(outcome, obj)
+            if isinstance(consumed, str):
+                return error_response(consumed, obj)
             obj["code"] = 0
-            obj["msg_id"], obj["data"] = self.engine.commit_now(outcome)
+            obj["msg_id"], obj["data"] = self.engine.commit_now(consumed)
             return obj
         if action == 3:
             msg_id = get("msg_id")
             if type(msg_id) is not int or msg_id < 1:
                 return None
-            outcome = self.store.decide_confirm_values(queue, msg_id)
-            if outcome is not None:
-                if type(outcome) is str:
-                    return error_response(outcome, obj)
-                self.engine.commit_now(outcome)
+            confirmed = self.store.decide_confirm_values(queue, msg_id)
+            if confirmed is not None:
+                if isinstance(confirmed, str):
+                    return error_response(confirmed, obj)
+                self.engine.commit_now(confirmed)
             # An unknown id decides to None: code 0, not an error (queue_server).
             obj["code"] = 0
             return obj
@@ -189,29 +195,30 @@ class Service:
         except BadRequest as exc:
             respond(error_response(exc.reason, obj))
             return
-        kind = type(req)
-        if (not self.engine.is_master and kind is not LeaderRequest
-                and not ((kind is MonitorRequest or kind is ListRequest) and req.local)):
-            self._not_master(obj, respond, forwarded)
+        request = cast(JsonObject, obj)  # parse_request accepts JSON objects only
+        if not self.engine.is_master and not (
+                isinstance(req, LeaderRequest)
+                or (isinstance(req, (MonitorRequest, ListRequest)) and req.local)):
+            self._not_master(request, respond, forwarded)
             return
-        if kind is ProduceRequest:
-            self._produce(obj, req, now_ms, respond)
-        elif kind is ConsumeRequest:
-            self._consume(obj, req, now_ms, respond)
-        elif kind is ConfirmRequest:
-            self._confirm(obj, req, respond)
-        elif kind is MonitorRequest:
-            self._read(obj, req.local, self._monitor, req, now_ms, respond)
-        elif kind is ListRequest:
-            self._read(obj, req.local, self._list, req, now_ms, respond)
-        elif kind is LeaderRequest:
-            respond(self._leader(obj))
-        elif kind is UnsupportedRequest:
-            respond(error_response("not support", obj))
+        if isinstance(req, ProduceRequest):
+            self._produce(request, req, now_ms, respond)
+        elif isinstance(req, ConsumeRequest):
+            self._consume(request, req, now_ms, respond)
+        elif isinstance(req, ConfirmRequest):
+            self._confirm(request, req, respond)
+        elif isinstance(req, MonitorRequest):
+            self._read(request, req.local, self._monitor, req, now_ms, respond)
+        elif isinstance(req, ListRequest):
+            self._read(request, req.local, self._list, req, now_ms, respond)
+        elif isinstance(req, LeaderRequest):
+            respond(self._leader(request))
+        elif isinstance(req, UnsupportedRequest):
+            respond(error_response("not support", request))
         else:  # parse_request returns only the types above
-            respond(error_response("invalid action", obj))
+            respond(error_response("invalid action", request))
 
-    def _not_master(self, obj: dict, respond: Respond, forwarded: bool) -> None:
+    def _not_master(self, obj: JsonObject, respond: Respond, forwarded: bool) -> None:
         """A request for the master reached a slave: relay it, or redirect."""
         if forwarded:
             respond(error_response("no leader", obj))
@@ -232,19 +239,19 @@ class Service:
 
     # -- writes ------------------------------------------------------------
 
-    def _produce(self, obj: dict, req: ProduceRequest, now_ms: int, respond: Respond) -> None:
+    def _produce(self, obj: JsonObject, req: ProduceRequest, now_ms: int, respond: Respond) -> None:
         pop = obj.pop
         pop("data", None)
         pop("delay", None)
         pop("ttl", None)
         pop("retry", None)
         outcome = self.store.decide_produce(req, now_ms)
-        if type(outcome) is str:
+        if isinstance(outcome, str):
             respond(error_response(outcome, obj))
             return
         virtual = req.queue in self.store.virtual_queues
 
-        def done(targets: object, error: str | None) -> None:
+        def done(targets: list[tuple[str, int]], error: str | None) -> None:
             if error is not None:
                 respond(error_response(error, obj))
                 return
@@ -259,17 +266,18 @@ class Service:
         else:
             self.engine.propose(outcome, done)
 
-    def _consume(self, obj: dict, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
+    def _consume(self, obj: JsonObject, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
         # A client's own msg_id/data must not read back as a delivery.
         obj.pop("msg_id", None)
         obj.pop("data", None)
         self._write(obj, self.store.decide_consume(req, now_ms), respond, _consumed)
 
-    def _confirm(self, obj: dict, req: ConfirmRequest, respond: Respond) -> None:
+    def _confirm(self, obj: JsonObject, req: ConfirmRequest, respond: Respond) -> None:
         # An unknown id decides to None: code 0, not an error (queue_server).
         self._write(obj, self.store.decide_confirm(req), respond, None)
 
-    def _write(self, obj: dict, outcome: object, respond: Respond, fill) -> None:
+    def _write(self, obj: JsonObject, outcome: Consume | Confirm | str | None, respond: Respond,
+               fill: Fill | None) -> None:
         """Answer a consume or confirm decision: None (nothing to change:
         code 0), a reason (code -1), or an entry to replicate; once it
         commits, `fill(obj, result)` adds the result's fields."""
@@ -277,11 +285,11 @@ class Service:
             obj["code"] = 0
             self._after_read_index(obj, obj, respond)
             return
-        if type(outcome) is str:
+        if isinstance(outcome, str):
             respond(error_response(outcome, obj))
             return
 
-        def done(result: object, error: str | None) -> None:
+        def done(result: Any, error: str | None) -> None:
             if error is not None:
                 respond(error_response(error, obj))
                 return
@@ -294,7 +302,8 @@ class Service:
 
     # -- reads -------------------------------------------------------------
 
-    def _read(self, obj: dict, local: bool, answer, req, now_ms: int, respond: Respond) -> None:
+    def _read(self, obj: JsonObject, local: bool, answer: ReadAnswer,
+              req: MonitorRequest | ListRequest, now_ms: int, respond: Respond) -> None:
         """Answer a monitor or list request: at once from this node's own
         state when it is node-local (104, 107), else once the master's
         state it was read from is committed."""
@@ -304,7 +313,8 @@ class Service:
         request = dict(obj)  # answer() fills obj in; an error echoes the request
         self._after_read_index(answer(obj, req, now_ms), request, respond)
 
-    def _after_read_index(self, response: dict, request: dict, respond: Respond) -> None:
+    def _after_read_index(self, response: JsonObject, request: JsonObject,
+                          respond: Respond) -> None:
         """Send `response`, computed from the master's state now, once that
         state rests on committed entries only (Engine.read_index); if the
         master loses its role first, answer `request` with the error."""
@@ -320,12 +330,12 @@ class Service:
 
         self.engine.read_index(done)
 
-    def node_info(self) -> dict:
+    def node_info(self) -> JsonObject:
         """This node's replication state, as monitor reports it."""
         status = self.engine.status()
         leader = self.engine.leader()
         leader_id = leader.node_id if leader else 0
-        info = {
+        info: JsonObject = {
             "node_id": self.config.node_id,
             "leader_node_id": leader_id,
             "leader_id": leader_id,  # queue_server's name for the same field
@@ -350,7 +360,7 @@ class Service:
             info["storage"] = storage
         return info
 
-    def _monitor(self, obj: dict, req: MonitorRequest, now_ms: int) -> dict:
+    def _monitor(self, obj: JsonObject, req: MonitorRequest, now_ms: int) -> JsonObject:
         obj.update(self.node_info())
         if req.queue is not None:
             obj["max_size"] = self.config.queue_size
@@ -365,7 +375,7 @@ class Service:
         obj["code"] = 0
         return obj
 
-    def _list(self, obj: dict, req: ListRequest, now_ms: int) -> dict:
+    def _list(self, obj: JsonObject, req: ListRequest, now_ms: int) -> JsonObject:
         pattern = req.pattern
         items = [{"name": name, "size": len(q), "wait_status": q.wait_status(now_ms)}
                  for name, q in sorted(self.store.queues.items()) if pattern in name]
@@ -375,7 +385,7 @@ class Service:
         obj["code"] = 0
         return obj
 
-    def _leader(self, obj: dict) -> dict:
+    def _leader(self, obj: JsonObject) -> JsonObject:
         leader = self.engine.leader()
         if leader is None:
             return error_response("no leader", obj)

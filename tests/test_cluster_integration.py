@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from procs import wait_until, Cluster, TcpClient, UdpClient
+from procs import Cluster, TcpClient, UdpClient, wait_until
 
 DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
 
@@ -141,7 +141,8 @@ def test_kill_master_under_load_loses_no_acknowledged_write(cluster, engine):
     new_master = c.wait_master(alive=alive)
     assert new_master != m
     # the new master serves writes
-    wait_until(lambda: (c.ask(new_master, action=1, queue="probe", data="p") or {}).get("code") == 0)
+    wait_until(lambda: (c.ask(new_master, action=1, queue="probe", data="p")
+                        or {}).get("code") == 0)
     failover_s = time.monotonic() - killed_at
     wait_until(lambda: len(producer.acked) >= before_kill + 200)
     producer.stop_flag.set()

@@ -77,10 +77,12 @@ def produce(port: int, data: str = "x") -> dict | None:
 # the trigger for the method to run, words of the CRITICAL line's "where")
 SINGLE_NODE_CASES = [
     pytest.param("qserver.engines.native.core:NativeCore.tick", "InvariantError",
-                 '<storage dir="{data}" fsync="always"/>', "nothing", "timer ClusterEngine._on_timer",
+                 '<storage dir="{data}" fsync="always"/>', "nothing",
+                 "timer ClusterEngine._on_timer",
                  id="native-tick"),
     pytest.param("qserver.engines.native.core:NativeCore.tick", "ZeroDivisionError",
-                 '<storage dir="{data}" fsync="always"/>', "nothing", "timer ClusterEngine._on_timer",
+                 '<storage dir="{data}" fsync="always"/>', "nothing",
+                 "timer ClusterEngine._on_timer",
                  id="native-tick-any-exception"),
     pytest.param("qserver.engines.native.driver:ClusterEngine._flush", "InvariantError",
                  '<storage dir="{data}" fsync="always"/>', "produce", "ClusterEngine.",
@@ -149,7 +151,7 @@ def test_failure_in_step_stops_a_cluster_node_and_the_others_serve_on(tmp_path):
         lines = critical_lines(node.stderr_text)
         assert len(lines) == 1, node.stderr_text
         assert "injected failure in NativeCore.step" in lines[0]
-        assert f"on_message for a message from node" in lines[0]
+        assert "on_message for a message from node" in lines[0]
         # the two others still make a majority: writes commit
         r = wait_until(lambda: (r := c.ask(master, action=1, queue="q", data="on"))
                        and r.get("code") == 0 and r)

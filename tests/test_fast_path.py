@@ -4,12 +4,13 @@ log: two services fed the same requests, one through each path."""
 
 import copy
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qserver.config import Config
-from qserver.state.log import Log
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
+from qserver.state.log import Log
 from qserver.state.store import Store
 
 NOW = 1_700_000_000_000

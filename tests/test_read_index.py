@@ -11,11 +11,10 @@ delivers the message again.
 
 from __future__ import annotations
 
-from qserver.state.entries import Confirm, Consume, Produce
-from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
 from qserver.engines.local import LocalEngine
+from qserver.engines.native.core import OUTCOME_UNKNOWN, Role
+from qserver.state.entries import Confirm, Consume, Produce
 from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
-
 from sim import Network
 
 
@@ -193,9 +192,9 @@ class _DeferringEngine(LocalEngine):
 
 def _service():
     from qserver.config import Config
-    from qserver.state.log import Log
     from qserver.engines import LeaderInfo
     from qserver.service import Service
+    from qserver.state.log import Log
     from qserver.state.store import Store
 
     cfg = Config()

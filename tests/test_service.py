@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from qserver.config import Config
-from qserver.state.log import Log
-from qserver.wire.codec import StreamDecoder, encode_response
 from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
+from qserver.state.log import Log
 from qserver.state.store import Store
+from qserver.wire.codec import StreamDecoder, encode_response
 
 NOW_MS = 1_700_000_000_000  # a fixed unix time in ms
 NOW_S = NOW_MS // 1000
@@ -73,7 +73,8 @@ def test_produce_echoes_request_and_drops_inputs(node):
     req = {"action": 1, "queue": "q", "data": "payload", "delay": 0, "ttl": NOW_S + 60,
            "retry": 5, "seq": 17, "client_tag": "abc"}
     resp = node(req)
-    assert resp == {"action": 1, "queue": "q", "seq": 17, "client_tag": "abc", "code": 0, "msg_id": 1}
+    assert resp == {"action": 1, "queue": "q", "seq": 17, "client_tag": "abc", "code": 0,
+                    "msg_id": 1}
 
 
 def test_produce_ids_count_up_per_queue(node):
@@ -162,7 +163,8 @@ def test_virtual_queue_is_all_or_nothing_when_a_member_is_full():
     assert len(node.store.get("b")) == 1
 
 
-@pytest.mark.parametrize("req", [{"action": 2, "queue": "v"}, {"action": 3, "queue": "v", "msg_id": 1}])
+@pytest.mark.parametrize("req", [{"action": 2, "queue": "v"},
+                                 {"action": 3, "queue": "v", "msg_id": 1}])
 def test_virtual_queue_only_takes_produce(req):
     node = Harness(virtual_queues={"v": ("a", "b")})
     node.produce("v")
@@ -352,8 +354,10 @@ def test_non_object_request(node, obj):
 # -- through the codec -------------------------------------------------------
 
 def test_pipelined_stream_through_codec_and_service(node):
-    stream = (b'{"action":1,"queue":"q","data":"d1","seq":1}{"action":1,"queue":"q","data":"d2","seq":2}\n'
-              b'{"action":2,"queue":"q","seq":3} {"action":4,"queue":"q","seq":4}\n{"action":42,"seq":5}')
+    stream = (b'{"action":1,"queue":"q","data":"d1","seq":1}'
+              b'{"action":1,"queue":"q","data":"d2","seq":2}\n'
+              b'{"action":2,"queue":"q","seq":3} {"action":4,"queue":"q","seq":4}\n'
+              b'{"action":42,"seq":5}')
     responses: list[dict] = []
     decoder = StreamDecoder()
     for i in range(0, len(stream), 7):  # arbitrary reads

@@ -17,19 +17,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..state.entries import Entry
 
-__all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "Respond", "ForwardedHandler",
-           "FatalHandler", "Role"]
+__all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "JsonObject", "Respond",
+           "ForwardedHandler", "FatalHandler", "Role"]
 
-# done(result, error): result is what Store.apply returned; error a reason.
-Done = Callable[[object, "str | None"], None]
+# A client's request or answer: a decoded JSON object.
+JsonObject = dict[str, Any]
+# done(result, error): result is what Store.apply returned for the entry
+# (its type depends on the entry's kind: see Store.apply); error a reason.
+Done = Callable[[Any, "str | None"], None]
 # Sends one answer to a client.
-Respond = Callable[[dict], None]
+Respond = Callable[[JsonObject], None]
 # The node's service, for a request a slave forwarded: (request, now_ms, respond).
-ForwardedHandler = Callable[[dict, int, Respond], None]
+ForwardedHandler = Callable[[JsonObject, int, Respond], None]
 # Told when the engine cannot go on (a write or fsync failed): the node stops.
 FatalHandler = Callable[[BaseException], None]
 
@@ -102,7 +105,7 @@ class Engine(Protocol):
     def propose(self, entry: Entry, done: Done) -> None:
         """Replicate `entry` (master only); call `done` when it is decided."""
 
-    def commit_now(self, entry: Entry) -> object:
+    def commit_now(self, entry: Entry) -> Any:
         """Append, apply and commit `entry` at once and return what apply
         returned (only when `commits_at_once`)."""
 
@@ -112,7 +115,8 @@ class Engine(Protocol):
         read index), `done(None, reason)` if it loses its role first. For
         answers that append no entry (master only)."""
 
-    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
+    def forward(self, request: JsonObject, respond: Respond,
+                timeout_s: float | None = None) -> bool:
         """Relay a client request to the master (slaves only); `respond`
         gets the master's answer, or a failure if none comes within
         `timeout_s` (forwarding.FORWARD_TIMEOUT_S if None). False when no
@@ -121,11 +125,11 @@ class Engine(Protocol):
     def status(self) -> EngineStatus:
         """What monitor reports about replication on this node."""
 
-    def slaves(self) -> list[dict] | None:
+    def slaves(self) -> list[JsonObject] | None:
         """Per slave, what monitor shows on a master (None: no replication)."""
 
-    def snapshot_info(self) -> dict | None:
+    def snapshot_info(self) -> JsonObject | None:
         """What monitor shows about snapshots (None: nothing to show)."""
 
-    def storage_info(self) -> dict | None:
+    def storage_info(self) -> JsonObject | None:
         """What monitor shows about the log on disk (None without storage)."""

@@ -10,10 +10,21 @@ This module does no I/O.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..state.entries import Entry
 from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
-from .base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond, Role
+from .base import (
+    Done,
+    EngineStatus,
+    FatalHandler,
+    ForwardedHandler,
+    JsonObject,
+    LeaderInfo,
+    Respond,
+    Role,
+)
 
 __all__ = ["LocalEngine"]
 
@@ -53,7 +64,7 @@ class LocalEngine:
     # Such an engine is always master (the service's fast path relies on it).
     commits_at_once = True
 
-    def commit_now(self, entry: Entry) -> object:
+    def commit_now(self, entry: Entry) -> Any:
         """Append, apply and commit `entry`; return what apply returned."""
         log = self.log
         record = log.append_entry(entry, self.vote_id)
@@ -72,7 +83,8 @@ class LocalEngine:
     def read_index(self, done: Done) -> None:
         done(None, None)  # every entry commits as it is appended
 
-    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
+    def forward(self, request: JsonObject, respond: Respond,
+                timeout_s: float | None = None) -> bool:
         return False  # always master: nothing to forward to
 
     def status(self) -> EngineStatus:
@@ -80,11 +92,11 @@ class LocalEngine:
         return EngineStatus(role=Role.MASTER, vote_id=self.vote_id, trans_id=last,
                             commit_id=last, applied_id=last, log_size=len(self.log))
 
-    def slaves(self) -> list[dict] | None:
+    def slaves(self) -> list[JsonObject] | None:
         return None  # no replication
 
-    def snapshot_info(self) -> dict | None:
+    def snapshot_info(self) -> JsonObject | None:
         return None  # no snapshots in memory
 
-    def storage_info(self) -> dict | None:
+    def storage_info(self) -> JsonObject | None:
         return None

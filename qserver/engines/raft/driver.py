@@ -244,7 +244,7 @@ class _QueueSync(RaftAppends):
     of its own (snapshots come from the store, through the engine's
     serializer hooks)."""
 
-    def __init__(self, engine: "RaftEngine", self_addr: str, other_addrs: list[str],
+    def __init__(self, engine: RaftEngine, self_addr: str, other_addrs: list[str],
                  conf: SyncObjConf) -> None:
         self._engine = engine
         self._journal: DurableJournal | None = None
@@ -286,10 +286,11 @@ class _QueueSync(RaftAppends):
             self._journal.sync()
 
     def _batch_sync(self) -> None:
+        journal = self._journal  # a tick callback only with a journal (__init__)
         now = time.monotonic()
-        if self._journal.dirty and now - self._last_sync >= BATCH_SYNC_MS / 1000:
+        if journal is not None and journal.dirty and now - self._last_sync >= BATCH_SYNC_MS / 1000:
             self._last_sync = now
-            self._journal.sync()
+            journal.sync()
 
     def last_index(self) -> int:
         """The index of the last entry in the raft log (read from the loop
@@ -404,7 +405,7 @@ class RaftEngine:
             return
         self._reads.append(done)
         if len(self._reads) == 1:
-            self._loop.call_soon(self._propose_read_marker)
+            asyncio.get_running_loop().call_soon(self._propose_read_marker)
 
     def _propose_read_marker(self) -> None:
         reads, self._reads = self._reads, []
@@ -455,9 +456,11 @@ class RaftEngine:
         if cfg.peers:
             self_addr = self._raft_addr[cfg.node_id]
             others = [_DialedNode(self._raft_addr[p.node_id], p.raft_dial) if p.raft_dial
-                      else self._raft_addr[p.node_id] for p in cfg.peers if p.node_id != cfg.node_id]
+                      else self._raft_addr[p.node_id]
+                      for p in cfg.peers if p.node_id != cfg.node_id]
         else:
-            self_addr = f"{cfg.host}:0"  # one node: pysyncobj needs an address, binds nothing useful
+            # one node: pysyncobj needs an address, binds nothing useful
+            self_addr = f"{cfg.host}:0"
             others = []
         self.sync = _QueueSync(self, self_addr, others, conf)
         log.info("node %d: raft engine (pysyncobj) on %s, %d other node(s), storage %s, fsync %s",
@@ -544,6 +547,8 @@ class RaftEngine:
     # -- on the loop -----------------------------------------------------------------------
 
     def _submit(self, payload: bytes) -> None:
+        if self.sync is None:  # proposals come from the service, after start()
+            raise InvariantError("raft engine used before start()")
         self.sync._commit(payload, callback=self._proposal_callback)
 
     def _on_committed(self, index: int, payload: bytes) -> None:
@@ -599,25 +604,32 @@ class RaftEngine:
 
     # -- peer links: client addresses and forwarding ----------------------------------------
 
+    # Both are called by the peer network, which exists only with other
+    # nodes, and so does the forwarder.
+
     def _on_link(self, peer_id: int, up: bool) -> None:
+        net, forwarder = self.net, self.forwarder
+        if net is None or forwarder is None:
+            return
         if up:
-            self.net.send(peer_id, message_to_wire(Hello(
+            net.send(peer_id, message_to_wire(Hello(
                 vote_id=self._term(), node_id=self.config.node_id,
                 client_host=self.config.host, client_port=self.config.port)))
         else:
-            self.forwarder.link_down(peer_id)
+            forwarder.link_down(peer_id)
 
     def _on_message(self, peer_id: int, obj: object) -> None:
-        msg = message_from_peer(peer_id, obj)
-        if type(msg) is str:
-            log.warning("node %d: %s", self.config.node_id, msg)
+        forwarder = self.forwarder
+        if forwarder is None:
             return
-        t = type(msg)
-        if t is Hello:
+        msg = message_from_peer(peer_id, obj)
+        if isinstance(msg, str):
+            log.warning("node %d: %s", self.config.node_id, msg)
+        elif isinstance(msg, Hello):
             self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
                                                 port=msg.client_port)
-        elif t is Forward:
-            self.forwarder.serve(peer_id, msg, self.handle_forwarded)
-        elif t is ForwardReply:
-            self.forwarder.on_reply(msg)
+        elif isinstance(msg, Forward):
+            forwarder.serve(peer_id, msg, self.handle_forwarded)
+        elif isinstance(msg, ForwardReply):
+            forwarder.on_reply(msg)
         # Anything else is the native engine's: not ours to act on.
