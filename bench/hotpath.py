@@ -81,6 +81,16 @@ class FakeTransport:
         self.writes += 1
         self.last = data
 
+    # Back-pressure (server.ClientTcpProtocol): a client that always reads.
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
