@@ -39,10 +39,11 @@ Two configurations (Network arguments):
   the file whose loader the core took moved into place by the next flush
   (the others received since the last flush are discarded). Deferred sync: a master's
   records are written at the flush and fsynced later, by a sync that takes
-  `fsync_ms` and starts at once when `own_sync_urgent` says so, else on the
-  BATCH_SYNC_MS timer (`ClusterEngine._sync_when_due`); `synced_to` arrives
-  when it ends, unless a truncation or an install came in between. Slaves
-  (and a node that is not a deferring master) fsync in the flush.
+  `fsync_ms` and starts at once when the Ready's `own_sync` is NOW, else on
+  the BATCH_SYNC_MS timer (as engines/native/durability.py does); `synced_to`
+  arrives when it ends, unless a truncation or an install came in between,
+  and the node flushes then. Slaves (and a node that is not a deferring
+  master: `own_sync` BEFORE_SEND) fsync in the flush.
 - The simulated network's own (both False): a snapshot is a `Snapshot`
   message built in memory, and every flush is durable.
 
@@ -479,7 +480,7 @@ class Network:
         self.dirty.discard(i)
         node = self.nodes[i]
         core = node.core
-        ready = core.take_ready()
+        ready = core.take_ready(self.now)
         self._persist(node, ready)
         stats = self.stats
         if ready.snapshot is not None:
@@ -509,7 +510,7 @@ class Network:
     def _persist(self, node: SimNode, ready) -> None:
         """ClusterEngine._persist: the vote, a snapshot installed from the
         master, the log change; then fsync now, or leave it to a sync off
-        the loop (a deferring master)."""
+        the loop (a deferring master), as the Ready's own_sync says."""
         core = node.core
         if ready.vote is not None:
             node.disk_vote = ready.vote
@@ -534,16 +535,16 @@ class Network:
             node.sync_epoch += 1
         node.disk_records.extend(ready.records)
         if node.synced_upto < node.last_written():
-            if self.deferred_sync and core.is_master:
-                self._sync_when_due(node)  # its records go out before its own fsync
-            else:
+            if ready.own_sync is native.OwnSync.BEFORE_SEND:
                 node.synced_upto = node.last_written()
                 core.synced_to(node.synced_upto)
+            else:  # a deferring master: its records go out before its own fsync
+                self._sync_when_due(node, ready.own_sync)
 
-    def _sync_when_due(self, node: SimNode) -> None:
-        """ClusterEngine._sync_when_due: at once if our own copy must count
-        now, else by the batch timer."""
-        if node.core.own_sync_urgent(self.now):
+    def _sync_when_due(self, node: SimNode, own_sync: native.OwnSync) -> None:
+        """Durability.after_write: at once if our own copy must count now,
+        else by the batch timer."""
+        if own_sync is native.OwnSync.NOW:
             self._start_sync(node)
         elif not node.batch_timer:
             node.batch_timer = True
@@ -575,9 +576,7 @@ class Network:
         if node.sync_again:
             node.sync_again = False
             self._start_sync(node)
-        elif node.synced_upto < node.last_written():
-            self._sync_when_due(node)
-        self._flush(node.node_id)
+        self._flush(node.node_id)  # its Ready says how soon what is left must be synced
         self.observe((node.node_id,))
 
     # -- the adapter: snapshot files -----------------------------------------

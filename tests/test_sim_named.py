@@ -718,8 +718,8 @@ def test_deferring_master_counts_its_own_copy_only_once_fsynced(seed):
     """Deferred sync (fsync=always): while both slaves keep up, they alone
     make the majority, so a write is acknowledged before the master's own
     fsync (left to the batch timer) has finished. With one slave down, the
-    master's copy is needed: own_sync_urgent starts its fsync at once, and
-    the write is acknowledged only after that fsync covers it."""
+    master's copy is needed: the Ready's own_sync is NOW, its fsync starts
+    at once, and the write is acknowledged only after that fsync covers it."""
     fsync_ms = 80
     net = Network(3, seed, external_snapshots=True, deferred_sync=True, fsync_ms=(fsync_ms, fsync_ms))
     work = Workload(net, random.Random(seed), at_master=True, timeout_ms=10_000)

@@ -3,9 +3,11 @@
 Theory of operation
 -------------------
 Each node runs one `NativeCore`. It takes events in (`tick(now_ms)`,
-`step(msg, now_ms)`, `propose(entry, done)`, `link_up(peer)`) and collects
-what the node must do in a `Ready` (`take_ready()`): persist the vote,
-persist the log change, send messages, then answer clients, in that order.
+`step(msg, now_ms)`, `propose(entry, done)`, `link_up(peer)`,
+`synced_to(trans_id)`) and collects what the node must do in a `Ready`
+(`take_ready(now_ms)`): persist the vote, persist the log change (and fsync
+it as `Ready.own_sync` says), send messages, then answer clients, in that
+order.
 It never reads a clock, a socket or a random source of its own: time comes
 in as `now_ms`, randomness from the `random.Random` it is given.
 
@@ -60,6 +62,32 @@ master's state then held every committed entry; by (1) nothing it showed
 can be undone. A master that steps down first answers "outcome unknown".
 Reads asked for in one turn share one round; a write's push serves as it.
 
+Our own copy on disk (the sync contract; etcd raft's storage
+acknowledgement). The node writes a Ready's records before anything of it
+is sent; when they are fsynced is the node's business (its fsync policy:
+engines.native.durability), but `Ready.own_sync` says what the core's
+counting assumes, for fsync=always to deliver:
+- BEFORE_SEND: the core counts our records as stored once written (a
+  slave's PushReply vouches for them, and so does a master without
+  `deferred_sync`): they must be durable before this Ready's messages and
+  answers go.
+- NOW, MAY_WAIT (a master with `deferred_sync`: fsync=always in quorum
+  mode): its records go out before its own fsync (Raft thesis 10.2.1), and
+  it counts itself towards a majority only up to `durable_id`. NOW: the
+  sync must start at once, as the slaves alone cannot make a majority
+  (fewer than `quorum` keep up: everything pushed to them, a push of this
+  epoch answered, heard from within two heartbeats). MAY_WAIT: they can,
+  so the sync may wait for the node's batch timer; it counts once done, so
+  a slave that stops answering delays commits by that much at most.
+`own_sync` is decided in `take_ready`, after its pushes, so the node never
+asks the core in the middle of carrying out a Ready. The node reports a
+finished sync with `synced_to(trans_id)` (every record up to trans_id is
+on stable storage), an input like `step`, at any time, even while it
+carries out a Ready; what it releases (commits, answers) comes out in the
+next Ready. The node must not report a sync begun before a truncation or a
+snapshot install that it has carried out (its records may have been
+replaced); `synced_to` never counts past the log's end.
+
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
 logs with the same (vote_id, trans_id) entry are identical up to it; every
@@ -68,6 +96,7 @@ node applies the same entries in the same order.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,7 +119,7 @@ from ..messages import (
     VoteRequest,
 )
 
-__all__ = ["Role", "Timing", "Ready", "NativeCore", "OUTCOME_UNKNOWN"]
+__all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "OUTCOME_UNKNOWN"]
 
 OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
 
@@ -116,11 +145,20 @@ class Timing:
     pull_retry_ms: int = 300  # a repeated pull of the same position waits this long
 
 
+class OwnSync(enum.Enum):
+    """How the core relies on the fsync of our own log ("Our own copy on
+    disk" in the module docstring); what fsync=always must deliver."""
+
+    BEFORE_SEND = "before send"  # durable before the Ready's messages and answers go
+    NOW = "now"  # deferred: start the sync at once; report it with synced_to
+    MAY_WAIT = "may wait"  # deferred, the slaves make a majority: the batch timer will do
+
+
 @dataclass(slots=True)
 class Ready:
     """What the node must do, in this order: persist `vote`, persist the log
-    change (`truncate_after`, then `records`), send `messages`, run
-    `answers`."""
+    change (`truncate_after`, then `records`) and fsync it as `own_sync`
+    says, send `messages`, run `answers`."""
 
     vote: tuple[int, int] | None = None  # (vote_id, voted_for) to persist
     truncate_after: int | None = None  # drop persisted records after this trans_id
@@ -130,6 +168,8 @@ class Ready:
     snapshot_sends: list[tuple[int, int, int]] = field(default_factory=list)
     messages: list[tuple[int, Message]] = field(default_factory=list)  # (to node_id, message)
     answers: list[Callable[[], None]] = field(default_factory=list)
+    # decided by take_ready; says nothing to do by itself (not in __bool__)
+    own_sync: OwnSync = OwnSync.BEFORE_SEND
 
     def __bool__(self) -> bool:
         return bool(self.vote or self.truncate_after is not None or self.records
@@ -206,8 +246,9 @@ class NativeCore:
         # Deferred sync (fsync=always): the master sends its records before
         # its own fsync has finished (which runs off the event loop) and
         # counts itself towards a majority only up to `durable_id`, which
-        # the adapter advances with `synced_to` (Raft thesis 10.2.1).
-        # Without it, the master's records count once persisted.
+        # the adapter advances with `synced_to` (Raft thesis 10.2.1; "Our
+        # own copy on disk" above). Without it, the master's records count
+        # once persisted.
         self.deferred_sync = deferred_sync
         self.durable_id = log.last_trans_id  # our records up to here are on stable storage
         self.snapshot_id = log.base_trans_id  # trans_id of our newest snapshot (0: none)
@@ -250,30 +291,6 @@ class NativeCore:
         write its store as the snapshot at trans_id. Never on the live node."""
         self._rollback_to(trans_id)
 
-    def synced_to(self, trans_id: int) -> None:
-        """Our records up to trans_id are on stable storage (a deferred sync
-        finished): as master, we may now count them towards a majority."""
-        if trans_id > self.durable_id:
-            self.durable_id = min(trans_id, self.log.last_trans_id)
-            self._maybe_commit()
-
-    def own_sync_urgent(self, now_ms: int) -> bool:
-        """Deferred sync, as master: must our own fsync start now, or can
-        the slaves alone make a majority for what we just sent? They can
-        when at least `quorum` of them keep up: everything was pushed to
-        them, and each has answered a push of this epoch (match_id > 0)
-        and answered us within two heartbeats. Then our own fsync may wait
-        (the adapter runs it within a few milliseconds); it still counts
-        once done, so a slave that stops answering delays commits by that
-        much at most."""
-        if not self.deferred_sync or self.durable_id >= self.log.last_trans_id:
-            return False
-        horizon = now_ms - 2 * self.timing.heartbeat_ms
-        last = self.log.last_trans_id  # take_ready pushed everything up to it
-        keeping_up = sum(1 for p in self.peers.values()
-                         if p.sent_upto >= last and p.match_id > 0 and p.acked_ms >= horizon)
-        return keeping_up < self.quorum
-
     def snapshot_taken(self, trans_id: int, vote_id: int) -> None:
         """A snapshot at trans_id is on disk: the log may be compacted up to
         it, and slaves behind the log get it."""
@@ -303,8 +320,9 @@ class NativeCore:
             due = min(due, self.pull_due_ms)
         return due
 
-    def take_ready(self) -> Ready:
-        """Hand over what must be done, and start collecting afresh."""
+    def take_ready(self, now_ms: int) -> Ready:
+        """Hand over what must be done, and start collecting afresh.
+        `now_ms` decides `own_sync` only (whether the slaves keep up)."""
         if self.role is Role.MASTER:
             if self.log.last_trans_id > self.pushed_upto:
                 self._push_new()
@@ -315,9 +333,43 @@ class NativeCore:
                     if peer.round_sent < self.read_round or not self.round_sent_any:
                         self._send_push(peer, peer.sent_upto, ())
         ready, self.ready = self.ready, Ready()
+        if self.deferred_sync:
+            ready.own_sync = self._own_sync(now_ms)
         return ready
 
+    def _own_sync(self, now_ms: int) -> OwnSync:
+        """Ready.own_sync: how our counting relies on the fsync of what we
+        wrote ("Our own copy on disk" in the module docstring)."""
+        if not self.deferred_sync or self.role is not Role.MASTER:
+            return OwnSync.BEFORE_SEND
+        return OwnSync.NOW if self._own_sync_urgent(now_ms) else OwnSync.MAY_WAIT
+
+    def _own_sync_urgent(self, now_ms: int) -> bool:
+        """Deferred sync, as master: must our own fsync start now, or can
+        the slaves alone make a majority for what we just sent? They can
+        when at least `quorum` of them keep up: everything was pushed to
+        them, and each has answered a push of this epoch (match_id > 0)
+        and answered us within two heartbeats. Nothing left to sync is
+        never urgent."""
+        if self.durable_id >= self.log.last_trans_id:
+            return False
+        horizon = now_ms - 2 * self.timing.heartbeat_ms
+        last = self.log.last_trans_id  # take_ready pushed everything up to it
+        keeping_up = sum(1 for p in self.peers.values()
+                         if p.sent_upto >= last and p.match_id > 0 and p.acked_ms >= horizon)
+        return keeping_up < self.quorum
+
     # -- inputs ------------------------------------------------------------
+
+    def synced_to(self, trans_id: int) -> None:
+        """Input: our records up to trans_id are on stable storage (a sync
+        finished; see "Our own copy on disk" in the module docstring). As a
+        deferring master we may now count them towards a majority; what
+        that commits comes out in the next Ready. Never counts past the
+        log's end. Fed at any time, even while a Ready is carried out."""
+        if trans_id > self.durable_id:
+            self.durable_id = min(trans_id, self.log.last_trans_id)
+            self._maybe_commit()
 
     def propose(self, entry: Entry, done: Done) -> None:
         """Append and apply `entry` (master only); `done` runs when it

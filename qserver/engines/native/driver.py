@@ -21,7 +21,7 @@ fsync off the event loop: with fsync=always a master writes its records,
 sends them to the slaves at once and syncs off the loop meanwhile, counting
 itself towards a majority only up to what that sync covered
 (NativeCore.deferred_sync; Raft thesis 10.2.1). While its slaves alone can
-make a majority (NativeCore.own_sync_urgent) that sync waits for the batch
+make a majority (Ready.own_sync is MAY_WAIT) that sync waits for the batch
 timer; otherwise it starts at once. A slave still fsyncs before it answers
 a push, since its answer counts. With fsync=batch the timed sync runs off
 the loop too. A sync off the loop is handed to the kernel (KernelSync:
@@ -72,7 +72,7 @@ from ..messages import (
     message_from_peer,
     message_to_wire,
 )
-from .core import NativeCore, Timing
+from .core import NativeCore, OwnSync, Timing
 from .snapshots import SnapshotFiles
 from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
 from ...state.store import SnapshotLoader, Store
@@ -357,7 +357,7 @@ class ClusterEngine:
         self._flush_scheduled = False
         if self._failed:
             return
-        ready = self.core.take_ready()
+        ready = self.core.take_ready(now_ms())
         storage = self.storage
         if storage is not None:
             try:
@@ -412,7 +412,7 @@ class ClusterEngine:
             storage.append(ready.records)
         if storage.dirty:
             policy = self.config.fsync
-            if policy is Fsync.ALWAYS and not (self.core.deferred_sync and self.core.is_master):
+            if policy is Fsync.ALWAYS and ready.own_sync is OwnSync.BEFORE_SEND:
                 # A slave's answers vouch for its records: sync before they
                 # go. (Deferring this too, holding the answers until a
                 # threaded fsync ends, cost the cluster 40% more CPU per
@@ -420,13 +420,13 @@ class ClusterEngine:
                 storage.sync()
                 self.core.synced_to(storage.next_trans_id - 1)
             elif policy is not Fsync.OFF:  # a deferring master's records went out already
-                self._sync_when_due()
+                self._sync_when_due(policy is Fsync.ALWAYS and ready.own_sync is OwnSync.NOW)
 
-    def _sync_when_due(self) -> None:
+    def _sync_when_due(self, now: bool) -> None:
         """Written records wait for a sync off the event loop: at once if our
-        own copy must count now (NativeCore.own_sync_urgent), else by the
-        batch timer (fsync=batch, or a master whose slaves make the majority)."""
-        if self.core.own_sync_urgent(now_ms()):
+        own copy must count now (Ready.own_sync), else by the batch timer
+        (fsync=batch, or a master whose slaves make the majority)."""
+        if now:
             self._start_sync()
         elif self._batch_timer is None:
             self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
@@ -505,8 +505,8 @@ class ClusterEngine:
             if self._sync_again:
                 self._sync_again = False
                 self._start_sync()
-            elif self.storage.dirty:
-                self._sync_when_due()
+            # else what was written meanwhile is left to the flush below
+            # (its Ready says how soon it must be synced)
         except StorageError as exc:
             self._fail(exc)
             return
