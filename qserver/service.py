@@ -123,68 +123,81 @@ class Service:
         if type(queue) is not str or not 0 < len(queue) <= MAX_QUEUE_NAME:
             return None
         if action == 1:
-            data = get("data")
-            delay = get("delay")
-            ttl = get("ttl")
-            retry = get("retry")
-            if type(data) is not str:
-                return None
-            # The answer drops the produce's inputs (see the module docstring).
-            if type(delay) is int and type(ttl) is int and type(retry) is int:
-                # The shape nearly every client sends: all three times given.
-                if not (0 <= delay <= MAX_TIME_S and 0 <= ttl <= MAX_TIME_S
-                        and 0 <= retry <= MAX_TIME_S):
-                    return None
-                del obj["data"], obj["delay"], obj["ttl"], obj["retry"]
-            else:
-                if not ((delay is None or (type(delay) is int and 0 <= delay <= MAX_TIME_S))
-                        and (ttl is None or (type(ttl) is int and 0 <= ttl <= MAX_TIME_S))
-                        and (retry is None or (type(retry) is int and 0 <= retry <= MAX_TIME_S))):
-                    return None
-                del obj["data"]
-                pop = obj.pop
-                pop("delay", None)
-                pop("ttl", None)
-                pop("retry", None)
-                if retry is None:
-                    retry = 0
-            store = self.store
-            produced = store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
-            if isinstance(produced, str):
-                return error_response(produced, obj)
-            targets = self.engine.commit_now(produced)
-            obj["code"] = 0
-            obj["msg_id"] = targets[0][1]
-            if queue in store.virtual_queues:
-                obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
-            return obj
+            return self._produce_now(obj, queue, now_ms)
         if action == 2:
-            # A client's own msg_id/data must not read back as a delivery.
-            pop = obj.pop
-            pop("msg_id", None)
-            pop("data", None)
-            consumed = self.store.decide_consume_values(queue, now_ms)
-            if consumed is None:
-                obj["code"] = 0
-                return obj
-            if isinstance(consumed, str):
-                return error_response(consumed, obj)
-            obj["code"] = 0
-            obj["msg_id"], obj["data"] = self.engine.commit_now(consumed)
-            return obj
+            return self._consume_now(obj, queue, now_ms)
         if action == 3:
-            msg_id = get("msg_id")
-            if type(msg_id) is not int or msg_id < 1:
+            return self._confirm_now(obj, queue)
+        return None
+
+    # The fast path's three actions: each returns the answer, or None having
+    # changed nothing (an unusual shape: the general path words the reason).
+
+    def _produce_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
+        get = obj.get
+        data = get("data")
+        delay = get("delay")
+        ttl = get("ttl")
+        retry = get("retry")
+        if type(data) is not str:
+            return None
+        # The answer drops the produce's inputs (see the module docstring).
+        if type(delay) is int and type(ttl) is int and type(retry) is int:
+            # The shape nearly every client sends: all three times given.
+            if not (0 <= delay <= MAX_TIME_S and 0 <= ttl <= MAX_TIME_S
+                    and 0 <= retry <= MAX_TIME_S):
                 return None
-            confirmed = self.store.decide_confirm_values(queue, msg_id)
-            if confirmed is not None:
-                if isinstance(confirmed, str):
-                    return error_response(confirmed, obj)
-                self.engine.commit_now(confirmed)
-            # An unknown id decides to None: code 0, not an error (queue_server).
+            del obj["data"], obj["delay"], obj["ttl"], obj["retry"]
+        else:
+            if not ((delay is None or (type(delay) is int and 0 <= delay <= MAX_TIME_S))
+                    and (ttl is None or (type(ttl) is int and 0 <= ttl <= MAX_TIME_S))
+                    and (retry is None or (type(retry) is int and 0 <= retry <= MAX_TIME_S))):
+                return None
+            del obj["data"]
+            pop = obj.pop
+            pop("delay", None)
+            pop("ttl", None)
+            pop("retry", None)
+            if retry is None:
+                retry = 0
+        store = self.store
+        produced = store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
+        if isinstance(produced, str):
+            return error_response(produced, obj)
+        targets = self.engine.commit_now(produced)
+        obj["code"] = 0
+        obj["msg_id"] = targets[0][1]
+        if queue in store.virtual_queues:
+            obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
+        return obj
+
+    def _consume_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
+        # A client's own msg_id/data must not read back as a delivery.
+        pop = obj.pop
+        pop("msg_id", None)
+        pop("data", None)
+        consumed = self.store.decide_consume_values(queue, now_ms)
+        if consumed is None:
             obj["code"] = 0
             return obj
-        return None
+        if isinstance(consumed, str):
+            return error_response(consumed, obj)
+        obj["code"] = 0
+        obj["msg_id"], obj["data"] = self.engine.commit_now(consumed)
+        return obj
+
+    def _confirm_now(self, obj: JsonObject, queue: str) -> JsonObject | None:
+        msg_id = obj.get("msg_id")
+        if type(msg_id) is not int or msg_id < 1:
+            return None
+        confirmed = self.store.decide_confirm_values(queue, msg_id)
+        if confirmed is not None:
+            if isinstance(confirmed, str):
+                return error_response(confirmed, obj)
+            self.engine.commit_now(confirmed)
+        # An unknown id decides to None: code 0, not an error (queue_server).
+        obj["code"] = 0
+        return obj
 
     def handle_general(self, obj: object, now_ms: int, respond: Respond, *,
                        forwarded: bool = False) -> None:
