@@ -5,12 +5,12 @@ Theory of operation
 -------------------
 `Network` holds n `SimNode`s, each a `NativeCore` plus what the node keeps
 on disk (its log records since its last snapshot, that snapshot, and its
-vote) and what its adapter (qserver/engines/native/driver.py, qserver/engines/native/snapshots.py)
-holds in memory. `step()` delivers the next message, fires the next core
-timer, or runs the next adapter or client event, then flushes the stepped
-node's `Ready` in the order the adapter does (persist the vote, the
-snapshot, the log change, then send, answer clients, stream snapshots,
-maybe start a snapshot writer). Messages go through the wire encoding
+vote) and what its adapter (qserver/engines/native/driver.py, durability.py,
+snapshots.py) holds in memory. `step()` delivers the next message, fires
+the next core timer, or runs the next adapter or client event, then
+flushes the stepped node's `Ready` in the order the adapter does (persist
+the vote, the snapshot, the log change, then send, answer clients, stream
+snapshots, maybe start a snapshot writer). Messages go through the wire encoding
 (message_to_wire/message_from_wire), so the codec is exercised too. The
 network drops (`drop_rate`), delays and reorders (each message takes
 1..`max_delay_ms`), duplicates (`dup_rate`), cuts directed links (`cut`,
@@ -99,7 +99,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
-from qserver.engines.native.driver import BATCH_SYNC_MS
+from qserver.engines.native.durability import BATCH_SYNC_MS
 from qserver.state.entries import Confirm, Consume, Produce, Record
 from qserver.state.log import Log
 from qserver.engines.native import core as native

@@ -1,8 +1,8 @@
-"""The cluster adapter's syncs off the event loop (qserver.engines.native.driver with a
-lone node and real storage), with KernelSync replaced by a fake that holds
-every submitted sync until the test finishes it, with success or an error:
-when a write is answered, what a failed sync does, and what close() does
-with a sync still in flight."""
+"""The native engine's syncs off the event loop (qserver.engines.native.driver
+and its durability module, with a lone node and real storage), with
+KernelSync replaced by a fake that holds every submitted sync until the test
+finishes it, with success or an error: when a write is answered, what a
+failed sync does, and what close() does with a sync still in flight."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from procs import free_port
-from qserver.engines.native import driver as cluster
+from qserver.engines.native import durability
 from qserver.engines.native.driver import ClusterEngine
 from qserver.config import parse_xml
 from qserver.state.log import Log
@@ -75,10 +75,10 @@ class Lone:
 
     def __init__(self, tmp_path, monkeypatch, mode: str = "quorum") -> None:
         self.fake = FakeKernelSync()
-        monkeypatch.setattr(cluster.KernelSync, "create", staticmethod(lambda *a, **k: self.fake))
+        monkeypatch.setattr(durability.KernelSync, "create", staticmethod(lambda *a, **k: self.fake))
         # A lone node syncs each write at once, never by the batch timer:
         # with the timer out of reach, a sync the tests wait for proves it.
-        monkeypatch.setattr(cluster, "BATCH_SYNC_MS", 600_000)
+        monkeypatch.setattr(durability, "BATCH_SYNC_MS", 600_000)
         self.data = tmp_path / "data"
         config = parse_xml(
             f'<config><node_info node_id="1" host="127.0.0.1" port="{free_port()}"/>'

@@ -8,26 +8,17 @@ is armed for the core's next deadline. Nothing else mutates the core.
 
 Storage (when configured): the vote is saved (always fsynced) before any
 message goes out; log changes are written before anything is sent or
-answered; with fsync=always they are also fsynced then, once per turn (group
-commit); with fsync=batch a timer fsyncs every BATCH_SYNC_MS; with off, the
-OS decides. A node configured alone but with storage runs this engine too,
-with no peers: it elects itself at once and commits on its own.
+answered, then handed to `durability.Durability` (`after_write`), which
+owns when they are fsynced: the fsync policy, the batch timer, syncs off
+the event loop, and the contract with the core (it reads `Ready.own_sync`
+and reports with `NativeCore.synced_to`). A failed sync stops the node
+(`on_fatal`). A node
+configured alone but with storage runs this engine too, with no peers: it
+elects itself at once and commits on its own.
 
 Snapshots (writing our own in a forked child, streaming to a slave,
-receiving from the master) are `snapshot_transfer.SnapshotFiles`; this
-adapter routes their messages and carries out the core's snapshot sends.
-
-fsync off the event loop: with fsync=always a master writes its records,
-sends them to the slaves at once and syncs off the loop meanwhile, counting
-itself towards a majority only up to what that sync covered
-(NativeCore.deferred_sync; Raft thesis 10.2.1). While its slaves alone can
-make a majority (Ready.own_sync is MAY_WAIT) that sync waits for the batch
-timer; otherwise it starts at once. A slave still fsyncs before it answers
-a push, since its answer counts. With fsync=batch the timed sync runs off
-the loop too. A sync off the loop is handed to the kernel (KernelSync:
-Linux AIO, no thread, no GIL hand-over) or else to a worker thread; one at
-a time. A failed sync stops the node (`on_fatal`); close() waits for one in
-flight and heeds its outcome.
+receiving from the master) are `snapshots.SnapshotFiles`; this adapter
+routes their messages and carries out the core's snapshot sends.
 
 A full disk: the log's current segment is filled with zeros ahead of its
 records (storage.disk), and records are only ever written into that room,
@@ -49,11 +40,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
@@ -72,17 +60,15 @@ from ..messages import (
     message_from_peer,
     message_to_wire,
 )
-from .core import NativeCore, OwnSync, Timing
+from .core import NativeCore, Timing
+from .durability import Durability
 from .snapshots import SnapshotFiles
-from ...storage import DiskStorage, KernelSync, StorageError, record_size_bound
+from ...storage import DiskStorage, StorageError, record_size_bound
 from ...state.store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "DEFAULT_TIMING"]
 
 log = logging.getLogger(__name__)
-
-# fsync=batch: how often written-but-unsynced log records are fsynced.
-BATCH_SYNC_MS = 5
 
 # Heartbeats every 100 ms; a master silent for 600-1200 ms is replaced, so a
 # failover completes in well under 2 s, while a briefly busy event loop on a
@@ -100,10 +86,6 @@ DISK_MARGIN_BYTES = 64 * 1024
 # After a full disk, writes are accepted again once this much room is back.
 DISK_FREE_BYTES = 1024 * 1024
 
-# At close, how long to wait for a sync in flight before leaving the log as a
-# crash would (a disk that no longer answers).
-CLOSE_SYNC_WAIT_S = 30.0
-
 
 def now_ms() -> int:
     """The core's clock: monotonic, for its timers only (elections,
@@ -111,15 +93,6 @@ def now_ms() -> int:
     look like a silent master. Message times are wall-clock (the client
     protocols', forwarding.wall_ms)."""
     return int(time.monotonic() * 1000)
-
-
-def _fsync_and_close(fd: int) -> None:
-    """In the fsync thread: make a duplicated segment descriptor durable
-    (fdatasync: the segment's file is allocated ahead, see storage.disk)."""
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 class ClusterEngine:
@@ -151,7 +124,6 @@ class ClusterEngine:
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
             self.forwarder = Forwarder(node_id=config.node_id, net=self.net,
                                        vote_id=lambda: self.core.vote_id)
-        self._batch_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
@@ -162,19 +134,15 @@ class ClusterEngine:
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: FatalHandler | None = None
-        # fsync off the event loop, one at a time: handed to the kernel
-        # (KernelSync) or else to a worker thread. `_sync_again` asks for
-        # another when it ends; truncations and installs bump the epoch, so
-        # that a sync begun before one does not vouch for records after it.
-        self._kernel_sync: KernelSync | None = None
-        self._kernel_syncs: dict[int, tuple[int, int, int, int]] = {}  # token: fd, covered, mark, epoch
-        self._next_sync_token = 1
-        self._sync_pool: ThreadPoolExecutor | None = None
-        self._sync_busy = False
-        self._sync_again = False
-        self._sync_epoch = 0
-        self._closing = False  # close() began: no new syncs, it waits for the one in flight
-        self._failed = False
+        # When the log is fsynced (None without storage).
+        self.durability: Durability | None = None
+        if storage is not None:
+            self.durability = Durability(
+                storage=storage, policy=config.fsync, node_id=config.node_id,
+                synced=self.core.synced_to, fail=self._fail,
+                schedule_flush=self._schedule_flush, on_batch_timer=self._batch_sync)
+        self._closing = False  # close() began: no new disk-retry timers
+        self._failed = False  # storage failed or the node halted: nothing more is carried out
         # A full disk: bytes of records reserved in the log's room since the
         # last flush (see _reserve), and whether writes are refused now.
         self._reserved = 0
@@ -250,10 +218,8 @@ class ClusterEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.snapshots.start(self._loop)
-        if self.storage is not None and self.config.fsync is not Fsync.OFF:
-            self._kernel_sync = KernelSync.create()
-            if self._kernel_sync is not None:
-                self._loop.add_reader(self._kernel_sync.fileno(), self._kernel_sync_done)
+        if self.durability is not None:
+            self.durability.start(self._loop)
         if self.net is not None:
             await self.net.start()
             log.info("node %d: cluster of %d, internal port %s, mode %s", self.config.node_id,
@@ -265,36 +231,16 @@ class ClusterEngine:
             self._timer.cancel()
         if self._disk_timer is not None:
             self._disk_timer.cancel()
-        if self._batch_timer is not None:
-            self._batch_timer.cancel()
         if self.forwarder is not None:
             self.forwarder.close()
         self.snapshots.stop()
         if self.net is not None:
             await self.net.close()
-        # A sync in flight is waited for and its outcome taken as usual: a
-        # failed one must not be followed by storage.close()'s own fsync,
-        # which could report success for pages the kernel dropped.
         self._closing = True
-        deadline = self._loop.time() + CLOSE_SYNC_WAIT_S
-        while self._sync_busy and not self._failed and self._loop.time() < deadline:
-            await asyncio.sleep(0.001)
-        if self._sync_busy and not self._failed:
-            log.error("node %d: a sync did not finish within %.0f s; leaving the log as a "
-                      "crash would", self.config.node_id, CLOSE_SYNC_WAIT_S)
-            self._failed = True
-        if self._sync_pool is not None:
-            self._sync_pool.shutdown(wait=False)
-        if self._kernel_sync is not None:
-            self._loop.remove_reader(self._kernel_sync.fileno())
-            self._kernel_sync.close()  # waits for anything still in flight
-            for fd, *_ in self._kernel_syncs.values():
-                os.close(fd)
-            self._kernel_syncs.clear()
-        if self.storage is not None and not self._failed:
-            self.storage.close()
-        elif self.storage is not None:
-            self.storage.abandon()
+        if self.durability is not None:
+            # waits for a sync in flight, then closes the storage (or
+            # leaves it as a crash would, after a failure)
+            await self.durability.close()
 
     # -- events ----------------------------------------------------------------
 
@@ -407,110 +353,17 @@ class ClusterEngine:
         if ready.truncate_after is not None:
             storage.truncate_after(ready.truncate_after)
         if ready.snapshot is not None or ready.truncate_after is not None:
-            self._sync_epoch += 1
+            self.durability.bump_epoch()
         if ready.records:
             storage.append(ready.records)
-        if storage.dirty:
-            policy = self.config.fsync
-            if policy is Fsync.ALWAYS and ready.own_sync is OwnSync.BEFORE_SEND:
-                # A slave's answers vouch for its records: sync before they
-                # go. (Deferring this too, holding the answers until a
-                # threaded fsync ends, cost the cluster 40% more CPU per
-                # write in bench/durability_bench.py: slower.)
-                storage.sync()
-                self.core.synced_to(storage.next_trans_id - 1)
-            elif policy is not Fsync.OFF:  # a deferring master's records went out already
-                self._sync_when_due(policy is Fsync.ALWAYS and ready.own_sync is OwnSync.NOW)
-
-    def _sync_when_due(self, now: bool) -> None:
-        """Written records wait for a sync off the event loop: at once if our
-        own copy must count now (Ready.own_sync), else by the batch timer
-        (fsync=batch, or a master whose slaves make the majority)."""
-        if now:
-            self._start_sync()
-        elif self._batch_timer is None:
-            self._batch_timer = self._loop.call_later(BATCH_SYNC_MS / 1000, self._batch_sync)
+        self.durability.after_write(ready.own_sync)
 
     def _batch_sync(self) -> None:
-        self._batch_timer = None
-        if self.storage is not None and self.storage.dirty and not self._failed:
-            try:
-                self._start_sync()
-            except StorageError as exc:
-                self._fail(exc)
-
-    def _start_sync(self) -> None:
-        """fsync what is written so far off the event loop (one at a time)."""
-        if self._closing:
-            return  # storage.close() syncs what is left
-        if self._sync_busy:
-            self._sync_again = True
-            return
-        handle = self.storage.begin_sync()
-        if handle is None:
-            self.core.synced_to(self.storage.next_trans_id - 1)
-            return
-        fd, covered, mark = handle
-        self._sync_busy = True
-        if self._kernel_sync is not None:
-            token = self._next_sync_token
-            self._next_sync_token += 1
-            try:
-                self._kernel_sync.submit(fd, token)
-            except OSError as exc:  # e.g. EINVAL: this file system will not; use the thread
-                log.info("node %d: kernel fsync refused (%s); fsync runs in a thread",
-                         self.config.node_id, exc.strerror or exc)
-                self._loop.remove_reader(self._kernel_sync.fileno())
-                self._kernel_sync.close()
-                self._kernel_sync = None
-            else:
-                self._kernel_syncs[token] = (fd, covered, mark, self._sync_epoch)
-                return
-        if self._sync_pool is None:
-            self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qserver-fsync")
-        future = self._loop.run_in_executor(self._sync_pool, _fsync_and_close, fd)
-        future.add_done_callback(partial(self._thread_sync_done, covered, mark, self._sync_epoch))
-
-    def _kernel_sync_done(self) -> None:
-        try:
-            finished = self._kernel_sync.reap()
-        except OSError as exc:
-            self._fail(StorageError(self.storage.directory, None, f"fsync failed: {exc}"))
-            return
-        for token, res in finished:
-            fd, covered, mark, epoch = self._kernel_syncs.pop(token)
-            os.close(fd)
-            error = OSError(-res, os.strerror(-res)) if res < 0 else None
-            self._sync_finished(covered, mark, epoch, error)
-
-    def _thread_sync_done(self, covered: int, mark: int, epoch: int,
-                          future: asyncio.Future) -> None:
-        error = future.exception()
-        if error is not None and not isinstance(error, OSError):
-            self._sync_busy = False
-            self._fail(error)  # our bug, but the sync's outcome is unknown
-            return
-        self._sync_finished(covered, mark, epoch, error)
-
-    def _sync_finished(self, covered: int, mark: int, epoch: int, error: OSError | None) -> None:
-        self._sync_busy = False
-        if self._failed or self.storage is None:
-            return
-        try:
-            self.storage.end_sync(mark, error)
-            if self._closing:
-                return
-            if epoch == self._sync_epoch:
-                self.core.synced_to(covered)
-            if self._sync_again:
-                self._sync_again = False
-                self._start_sync()
-            # else what was written meanwhile is left to the flush below
-            # (its Ready says how soon it must be synced)
-        except StorageError as exc:
-            self._fail(exc)
-            return
-        self._schedule_flush()
+        """The batch timer's callback (Durability arms it). A method of the
+        engine, like its other timers' callbacks, so that the node's
+        fail-stop line names a failure in it as the engine's
+        (tests/test_fail_stop.py injects one here)."""
+        self.durability.batch_sync()
 
     # -- a full disk -------------------------------------------------------------
 
@@ -562,6 +415,8 @@ class ClusterEngine:
         if self._failed:
             return
         self._failed = True
+        if self.durability is not None:
+            self.durability.halt()
         if self.on_fatal is not None:
             self.on_fatal(exc)
         else:
@@ -572,6 +427,8 @@ class ClusterEngine:
         the core's (no persist, send or answer), and leave the storage as a
         crash would at close()."""
         self._failed = True
+        if self.durability is not None:
+            self.durability.halt()
 
     def _arm_timer(self) -> None:
         deadline = self.core.next_deadline()
