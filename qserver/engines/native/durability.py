@@ -122,6 +122,9 @@ class Durability:
         self._epoch = 0  # truncations and installs so far; a sync reports only in its own
         self._closing = False  # close() began: no new syncs, it waits for the one in flight
         self._failed = False  # storage failed or the node halted: nothing more synced or reported
+        # set iff not _busy or _failed: what close() waits for
+        self._settled = asyncio.Event()
+        self._settled.set()
 
     @property
     def _running(self) -> asyncio.AbstractEventLoop:
@@ -179,6 +182,7 @@ class Durability:
         """The node stops after a fatal error (ours or elsewhere): sync and
         report nothing more; close() leaves the log as a crash would."""
         self._failed = True
+        self._settled.set()
 
     async def close(self) -> None:
         """Stop syncing; wait (CLOSE_SYNC_WAIT_S at most) for a sync in
@@ -189,15 +193,13 @@ class Durability:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        loop = self._loop
-        if loop is not None:
-            deadline = loop.time() + CLOSE_SYNC_WAIT_S
-            while self._busy and not self._failed and loop.time() < deadline:
-                await asyncio.sleep(0.001)
-        if self._busy and not self._failed:
-            log.error("node %d: a sync did not finish within %.0f s; leaving the log as a "
-                      "crash would", self.node_id, CLOSE_SYNC_WAIT_S)
-            self._failed = True
+        if not self._settled.is_set():
+            try:
+                await asyncio.wait_for(self._settled.wait(), CLOSE_SYNC_WAIT_S)
+            except TimeoutError:
+                log.error("node %d: a sync did not finish within %.0f s; leaving the log as "
+                          "a crash would", self.node_id, CLOSE_SYNC_WAIT_S)
+                self._failed = True
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         if self._kernel_sync is not None:
@@ -227,6 +229,7 @@ class Durability:
             return
         fd, covered, mark = handle
         self._busy = True
+        self._settled.clear()
         if self._kernel_sync is not None:
             token = self._next_token
             self._next_token += 1
@@ -265,13 +268,13 @@ class Durability:
                           future: asyncio.Future) -> None:
         error = future.exception()
         if error is not None and not isinstance(error, OSError):
-            self._busy = False
+            self._ended()
             self._fail(error)  # our bug, but the sync's outcome is unknown
             return
         self._sync_finished(covered, mark, epoch, error)
 
     def _sync_finished(self, covered: int, mark: int, epoch: int, error: OSError | None) -> None:
-        self._busy = False
+        self._ended()
         if self._failed:
             return
         try:
@@ -290,8 +293,14 @@ class Durability:
             return
         self._schedule_flush()
 
+    def _ended(self) -> None:
+        """The sync off the loop ended (its outcome is dealt with next)."""
+        self._busy = False
+        self._settled.set()
+
     def _fail(self, exc: BaseException) -> None:
         if self._failed:
             return
         self._failed = True
+        self._settled.set()
         self._fail_cb(exc)
