@@ -76,16 +76,17 @@ counting assumes, for fsync=always to deliver:
   it counts itself towards a majority only up to `durable_id`. NOW: the
   sync must start at once, as the slaves alone cannot make a majority
   (fewer than `quorum` keep up: everything pushed to them, a push of this
-  epoch answered, heard from within two heartbeats). MAY_WAIT: they can,
-  so the sync may wait for the node's batch timer; it counts once done, so
-  a slave that stops answering delays commits by that much at most.
+  epoch answered, heard from within two heartbeats). MAY_WAIT: they can
+  (or nothing written is left unsynced), so the sync may wait for the
+  node's batch timer; it counts once done, so a slave that stops answering
+  delays commits by that much at most.
 `own_sync` is decided in `take_ready`, after its pushes, so the node never
 asks the core in the middle of carrying out a Ready. The node reports a
 finished sync with `synced_to(trans_id)` (every record up to trans_id is
 on stable storage), an input like `step`, at any time, even while it
 carries out a Ready; what it releases (commits, answers) comes out in the
-next Ready. The node must not report a sync begun before a truncation or a
-snapshot install that it has carried out (its records may have been
+next Ready. A sync begun before the node carried out a truncation or a
+snapshot install must not be reported (the records it covered may have been
 replaced); `synced_to` never counts past the log's end.
 
 Invariants (checked by the simulated-network tests after every delivery):
@@ -151,7 +152,7 @@ class OwnSync(enum.Enum):
 
     BEFORE_SEND = "before send"  # durable before the Ready's messages and answers go
     NOW = "now"  # deferred: start the sync at once; report it with synced_to
-    MAY_WAIT = "may wait"  # deferred, the slaves make a majority: the batch timer will do
+    MAY_WAIT = "may wait"  # deferred, the slaves make a majority (or all synced): the batch timer
 
 
 @dataclass(slots=True)

@@ -3,13 +3,14 @@ event loop: one `Durability` per node with storage, driven by the driver.
 
 Theory of operation
 -------------------
-The driver carries out each of the core's Readys: it writes the turn's
-records (`DiskStorage.append`; `bump_epoch()` first if it truncated the log
-or installed a snapshot), then calls `after_write(ready.own_sync)`, before
-it sends or answers anything of that Ready. `own_sync` is the core's side
-of the contract (engines.native.core, "Our own copy on disk"): how its
-counting relies on our own fsync. The policy (config.Fsync) decides what
-is done with it, whenever the storage holds unsynced writes:
+The driver carries out each of the core's Readys: it writes the log change
+(a truncation or a snapshot install, after which it calls `bump_epoch()`;
+then the records, `DiskStorage.append`), then calls
+`after_write(ready.own_sync)`, before it sends or answers anything of that
+Ready. `own_sync` is the core's side of the contract (engines.native.core,
+"Our own copy on disk"): how its counting relies on our own fsync. The
+policy (config.Fsync) decides what is done with it, whenever the storage
+holds unsynced writes:
 
 - off: nothing; the OS writes back when it likes.
 - batch: a sync off the loop BATCH_SYNC_MS after the first write that found
@@ -43,7 +44,8 @@ Rules
 - A failed sync (or any storage error here) is fatal: `fail(exc)` once, and
   from then on nothing is synced or reported, and close() leaves the log as
   a crash would (`storage.abandon()`): a later fsync could report success
-  for pages the kernel dropped after the failure.
+  for pages the kernel dropped after the failure. `halt()` (a fatal error
+  elsewhere in the node) does the same without `fail`.
 - close(): no new sync; the one in flight is waited for (at most
   CLOSE_SYNC_WAIT_S) and its outcome heeded; then `storage.close()` (which
   syncs what is left), or abandon after a failure or a sync that never
@@ -69,9 +71,8 @@ __all__ = ["Durability", "BATCH_SYNC_MS", "CLOSE_SYNC_WAIT_S"]
 log = logging.getLogger(__name__)
 
 # fsync=batch (and a deferring master whose slaves make the majority): how
-# long written records may wait for their fsync. A few ms: the design's
-# "batch within a few milliseconds", and enough for a loaded master to group
-# many turns' records into one fsync.
+# long written records wait at most before their fsync starts (design.md:
+# "batch within a few milliseconds").
 BATCH_SYNC_MS = 5
 
 # At close, how long to wait for a sync in flight before leaving the log as a
