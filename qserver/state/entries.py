@@ -29,7 +29,7 @@ Rules
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "Kind",
@@ -103,7 +103,7 @@ class Record(NamedTuple):
     entry: Entry
 
 
-def entry_to_wire(entry: Entry) -> list:
+def entry_to_wire(entry: Entry) -> list[Any]:
     """Encode an entry as a msgpack-friendly list."""
     if type(entry) is Produce:
         return [Kind.PRODUCE, [list(t) for t in entry.targets], entry.data,
@@ -169,7 +169,7 @@ def entry_from_wire(obj: object) -> Entry:
     raise ValueError(f"unknown entry kind {kind!r} with {len(obj)} fields")
 
 
-def record_to_wire(record: Record) -> list:
+def record_to_wire(record: Record) -> list[Any]:
     """Encode a record as [trans_id, vote_id, entry]."""
     return [record.trans_id, record.vote_id, entry_to_wire(record.entry)]
 

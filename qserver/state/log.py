@@ -22,9 +22,8 @@ This module does no I/O.
 
 from __future__ import annotations
 
-
-from .entries import Entry, Record
 from ..errors import InvariantError
+from .entries import Entry, Record
 
 __all__ = ["Log", "COMPACT_SLACK", "LONE_LOG_RECORDS"]
 
@@ -39,7 +38,7 @@ COMPACT_SLACK = 1024
 # pulls from it, and a restart replays the disk, not memory. So it keeps at
 # most this many records (fewer if log_size says so), not log_size. Records
 # this short-lived are freed by reference counting before the garbage
-# collector's next pass (every 100,000 net allocations, server.GC_THRESHOLDS),
+# collector's next pass (every 100,000 net allocations, node.GC_THRESHOLDS),
 # so the collector never scans them, and a million-message node does not
 # hold log_size records of them (bench/hotpath.py, bench/durability_bench.py).
 LONE_LOG_RECORDS = 2048
@@ -117,7 +116,8 @@ class Log:
     def truncate_after(self, trans_id: int) -> int:
         """Drop every record after `trans_id`; returns how many. O(dropped)."""
         if trans_id < self.base_trans_id:
-            raise InvariantError(f"truncate to {trans_id} below compaction base {self.base_trans_id}")
+            raise InvariantError(
+                f"truncate to {trans_id} below compaction base {self.base_trans_id}")
         keep = max(0, trans_id - self.base_trans_id)
         dropped = max(0, len(self.records) - keep)
         del self.records[keep:]

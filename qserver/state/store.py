@@ -73,11 +73,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Final
 
 from sortedcontainers import SortedList
 
-from .entries import Confirm, Consume, Entry, Noop, Produce
 from ..errors import InvariantError
 from ..wire.requests import (
     RELATIVE_TIME_LIMIT_S,
@@ -85,6 +85,7 @@ from ..wire.requests import (
     ConsumeRequest,
     ProduceRequest,
 )
+from .entries import Confirm, Consume, Entry, Noop, Produce
 
 __all__ = ["Message", "Queue", "Store", "SnapshotLoader", "DEFAULT_TTL_MS", "WAIT_STATUS_SAMPLE"]
 
@@ -122,11 +123,17 @@ WAIT_STATUS_CAP_S = 255
 #   ttl_ms: a delivery whose next retry reaches it is the last;
 #   retry_ms: 0 = at-most-once; retry_at_ms: 0 while pending, else its key
 #   time in `retrying`.
-Message = tuple
-DATA, READY_MS, TTL_MS, RETRY_MS, RETRY_AT_MS = range(5)
+Message = tuple[str, int, int, int, int]
+# (Final: mypy then knows each index, and so each field's type.)
+DATA: Final = 0
+READY_MS: Final = 1
+TTL_MS: Final = 2
+RETRY_MS: Final = 3
+RETRY_AT_MS: Final = 4
 
 
-class _Keys(SortedList):
+# sortedcontainers ships no type information: to mypy SortedList is Any.
+class _Keys(SortedList):  # type: ignore[misc]
     """A SortedList of a queue's index keys, with cheaper versions of the
     three operations on the hot path:
 
@@ -185,13 +192,13 @@ class Queue:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.messages: dict[int, tuple] = {}  # every live message (a 5-tuple), by id
+        self.messages: dict[int, Message] = {}  # every live message (a 5-tuple), by id
         # ids of never-delivered messages in (ready_ms, msg_id) order; not in `pending`
         self.fifo: deque[int] = deque()
         # >= the ready_ms of the FIFO's tail (may be higher, never lower); any value when empty
         self.fifo_ready = 0
-        self.pending: SortedList = _Keys()  # keys of never-delivered messages not in `fifo`
-        self.retrying: SortedList = _Keys()  # keys of delivered, unconfirmed messages
+        self.pending = _Keys()  # keys of never-delivered messages not in `fifo`
+        self.retrying = _Keys()  # keys of delivered, unconfirmed messages
         self.max_id = 0  # highest msg_id ever assigned; ids never repeat
 
     def __len__(self) -> int:
@@ -201,6 +208,7 @@ class Queue:
         """The msg_id a consume at `now_ms` delivers, or None. O(1)."""
         limit = (now_ms + 1) << _ID_BITS  # every key with time <= now is below it
         fifo = self.fifo
+        best: int | None
         if fifo:
             best = fifo[0]
             best |= self.messages[best][READY_MS] << _ID_BITS  # the head's key
@@ -359,7 +367,7 @@ class Queue:
                 raise InvariantError(f"queue {self.name}: at-most-once message {msg_id} retrying")
 
 
-def _apply_noop(entry: Noop, undo: list | None) -> None:
+def _apply_noop(entry: Noop, undo: list[Any] | None) -> None:
     return None
 
 
@@ -386,7 +394,9 @@ class Store:
         # Entry type -> what `apply` runs for it, for a caller that applies
         # entries one by one on the hot path (LocalEngine): one Python call
         # per entry instead of two. Same arguments and result as `apply`.
-        self.apply_by_kind: dict[type, Callable[[Entry, list | None], object]] = {
+        # (Each function takes the entry type of its key, which a dict's
+        # type cannot say: hence Any.)
+        self.apply_by_kind: dict[type[Entry], Callable[[Any, list[Any] | None], object]] = {
             Produce: self._apply_produce, Consume: self._apply_consume,
             Confirm: self._apply_confirm, Noop: _apply_noop}
 
@@ -493,7 +503,7 @@ class Store:
 
     # -- step 2: apply (every node, in log order; no clock) ---------------
 
-    def apply(self, entry: Entry, undo: list | None = None) -> object:
+    def apply(self, entry: Entry, undo: list[Any] | None = None) -> object:
         """Apply one entry; returns what the client's answer needs.
 
         Produce -> tuple of (queue, msg_id); Consume -> (msg_id, data);
@@ -505,18 +515,21 @@ class Store:
         the middle of the FIFO. Raises InvariantError if the entry does not
         fit the state (a gap or a fork in the log: never the client's fault).
         """
+        # One type() call for the four tests (the hot path); mypy does not
+        # narrow `entry` through `kind`, hence the ignores.
         kind = type(entry)
         if kind is Produce:
-            return self._apply_produce(entry, undo)
+            return self._apply_produce(entry, undo)  # type: ignore[arg-type]
         if kind is Consume:
-            return self._apply_consume(entry, undo)
+            return self._apply_consume(entry, undo)  # type: ignore[arg-type]
         if kind is Confirm:
-            return self._apply_confirm(entry, undo)
+            return self._apply_confirm(entry, undo)  # type: ignore[arg-type]
         if kind is Noop:
             return None
         raise InvariantError(f"cannot apply {entry!r}")
 
-    def _apply_produce(self, entry: Produce, undo: list | None) -> tuple:
+    def _apply_produce(self, entry: Produce,
+                       undo: list[Any] | None) -> tuple[tuple[str, int], ...]:
         targets, data, ready_ms, ttl_ms, retry_ms = entry
         last = self._last_times
         if ready_ms == last[0] and ttl_ms == last[1]:
@@ -546,11 +559,10 @@ class Store:
                 queue.pending.add(ready_ms << _ID_BITS | msg_id)
         return targets
 
-    def _apply_consume(self, entry: Consume, undo: list | None) -> tuple[int, str]:
+    def _apply_consume(self, entry: Consume, undo: list[Any] | None) -> tuple[int, str]:
         name, msg_id, retry_at_ms = entry
         queue = self.queues.get(name)
-        msg = queue.messages.get(msg_id) if queue is not None else None
-        if msg is None:
+        if queue is None or (msg := queue.messages.get(msg_id)) is None:
             raise InvariantError(f"consume of missing message {name}/{msg_id}")
         if undo is not None:
             undo.append((_RESTORE, name, msg_id, msg))
@@ -572,7 +584,7 @@ class Store:
             del queue.messages[msg_id]
         return msg_id, data
 
-    def _apply_confirm(self, entry: Confirm, undo: list | None) -> bool:
+    def _apply_confirm(self, entry: Confirm, undo: list[Any] | None) -> bool:
         name, msg_id = entry
         queue = self.queues.get(name)
         if queue is None:
@@ -590,7 +602,7 @@ class Store:
             queue.unindex_pending(msg_id, msg[READY_MS])
         return True
 
-    def revert(self, undo: list) -> None:
+    def revert(self, undo: list[Any]) -> None:
         """Take back the entries whose undo records are in `undo` (filled by
         `apply(entry, undo)`), newest first. O(k log n)."""
         queues = self.queues
@@ -617,17 +629,17 @@ class Store:
 
     # -- whole-state views -------------------------------------------------
 
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         """The whole state as a canonical, msgpack-friendly value: two stores
         are equal iff their `to_wire()` values are. O(n)."""
-        out = []
+        out: list[Any] = []
         for name in sorted(self.queues):
             q = self.queues[name]
             msgs = [[i, *m] for i, m in sorted(q.messages.items())]
             out.append([name, q.max_id, msgs])
         return out
 
-    def load_wire(self, state: "list | SnapshotLoader") -> None:
+    def load_wire(self, state: Sequence[Any] | SnapshotLoader) -> None:
         """Replace the state with one produced by `to_wire()`, or with the
         one a `snapshot_loader()` has been fed. O(n log n)."""
         if isinstance(state, SnapshotLoader):
@@ -639,7 +651,7 @@ class Store:
             loader.messages(msgs)
         self.queues = loader.finish()
 
-    def snapshot_loader(self) -> "SnapshotLoader":
+    def snapshot_loader(self) -> SnapshotLoader:
         """A sink for `storage.format.decode_snapshot(..., sink=)`: it builds
         the queues as the snapshot is decoded, chunk by chunk, so that the
         decoded form and the store never both hold every message; the store
@@ -677,8 +689,10 @@ class SnapshotLoader:
         q = self._queue = self.queues[name] = Queue(name)
         q.max_id = max_id
 
-    def messages(self, batch) -> None:
-        q = self._queue
+    def messages(self, batch: Iterable[Sequence[Any]]) -> None:
+        # The sink's protocol: queue() came first, so there is a queue; no
+        # check here (a snapshot's millions of messages come through).
+        q: Queue = self._queue  # type: ignore[assignment]
         messages, pending, retrying = q.messages, self._pending, self._retrying
         fifo, fifo_ready = q.fifo, q.fifo_ready
         last_ready, last_ttl = self._last_ready, self._last_ttl

@@ -31,6 +31,7 @@ This module does no I/O.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -57,7 +58,6 @@ _STR_SPECIAL = re.compile(rb'["\\]')
 _NON_WS = re.compile(rb"[^ \t\r\n]")
 _OPEN = frozenset(b"{[")
 _QUOTE = ord('"')
-_BACKSLASH = ord("\\")
 _OPEN_CHARS = (ord("{"), ord("["))
 
 
@@ -82,7 +82,7 @@ class StreamDecoder:
         self._in_str = False  # _pos is inside a string literal
         self.poisoned = False  # the stream cannot be framed any more
 
-    def feed(self, data: bytes) -> list:
+    def feed(self, data: bytes) -> list[object]:
         """Consume `data`; return the values it completed, in order. Each item
         is a decoded JSON value, a BadRequest (that request only) or a final
         ProtocolError. O(len(data))."""
@@ -95,7 +95,7 @@ class StreamDecoder:
         self._buf += data
         return self._scan()
 
-    def _fast(self, data: bytes) -> list | None:
+    def _fast(self, data: bytes) -> list[object] | None:
         # One whole request, or whole newline-terminated requests: the
         # common shapes, decoded without scanning.
         tail = data.rstrip(_WS)
@@ -108,7 +108,7 @@ class StreamDecoder:
                 pass
         if b"\n" not in tail:
             return None
-        out = []
+        out: list[object] = []
         for line in tail.split(b"\n"):
             if len(line) > self.max_size:
                 return None
@@ -125,8 +125,8 @@ class StreamDecoder:
                 return None  # a value spanning lines: frame it properly
         return out
 
-    def _scan(self) -> list:
-        out: list = []
+    def _scan(self) -> list[object]:
+        out: list[object] = []
         buf = self._buf
         pos, start, depth, in_str = self._pos, self._start, self._depth, self._in_str
         end = len(buf)
@@ -188,7 +188,7 @@ class StreamDecoder:
         self._pos, self._start, self._depth, self._in_str = pos, start, depth, in_str
         return out
 
-    def _poison(self, out: list, reason: str) -> None:
+    def _poison(self, out: list[object], reason: str) -> None:
         out.append(ProtocolError(reason))
         self.poisoned = True
         self._buf = bytearray()
@@ -210,12 +210,12 @@ _DUMPS = orjson.dumps
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
 
 
-def encode_response(response: dict) -> bytes:
+def encode_response(response: dict[str, Any]) -> bytes:
     """One response object as JSON plus a newline."""
     return _DUMPS(response, option=_NEWLINE)
 
 
-def error_response(reason: str, request: object = None) -> dict:
+def error_response(reason: str, request: object = None) -> dict[str, Any]:
     """A code -1 response; echoes the request's fields when it was an object
     (so that `seq` comes back), except its data."""
     if type(request) is dict:

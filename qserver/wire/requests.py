@@ -24,7 +24,7 @@ with its own clock, so that a request forwarded from a slave is timed once.
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 from ..errors import BadRequest
 
@@ -54,13 +54,11 @@ class Action(enum.IntEnum):
     CLEAR = 6
     LIST = 7
     LEADER = 8
+    # queue_server's local actions (100 + n): answered by the receiving node
+    # from its own state, never forwarded to the master.
     LOCAL_MONITOR = 104
     LOCAL_LIST = 107
 
-
-# Actions at or above this number are answered by the receiving node from its
-# own state and never forwarded to the master (queue_server's rule).
-LOCAL_ACTION_START = 100
 
 # Long enough for any real naming scheme ("task#station:order:event"), short
 # enough that a list response of many queues stays small.
@@ -115,7 +113,13 @@ Request = (ProduceRequest | ConsumeRequest | ConfirmRequest | MonitorRequest
            | ListRequest | LeaderRequest | UnsupportedRequest)
 
 
-def _queue(obj: dict, required: bool = True) -> str | None:
+@overload
+def _queue(obj: dict[str, Any], required: Literal[True] = ...) -> str: ...
+@overload
+def _queue(obj: dict[str, Any], required: bool) -> str | None: ...
+
+
+def _queue(obj: dict[str, Any], required: bool = True) -> str | None:
     name = obj.get("queue")
     if name is None:
         if required:
@@ -130,7 +134,7 @@ def _queue(obj: dict, required: bool = True) -> str | None:
     return name
 
 
-def _time(obj: dict, field: str) -> float | None:
+def _time(obj: dict[str, Any], field: str) -> float | None:
     value = obj.get(field)
     if value is None:
         return None
@@ -148,19 +152,20 @@ def _plain_time(value: object) -> bool:
     return value is None or (type(value) is int and 0 <= value <= MAX_TIME_S)
 
 
-def _produce(obj: dict) -> ProduceRequest:
+def _produce(obj: dict[str, Any]) -> ProduceRequest:
     # Fast path for the shape nearly every client sends (string queue and
     # data, integer times); anything else goes through the checks below,
     # which produce the reasons.
     get = obj.get
-    queue, data, delay, ttl, retry = get("queue"), get("data"), get("delay"), get("ttl"), get("retry")
+    queue, data, delay, ttl, retry = (get("queue"), get("data"), get("delay"), get("ttl"),
+                                      get("retry"))
     if (type(queue) is str and 0 < len(queue) <= MAX_QUEUE_NAME and type(data) is str
             and _plain_time(delay) and _plain_time(ttl) and _plain_time(retry)):
         return ProduceRequest(queue, data, delay, ttl, retry or 0)
     return _produce_checked(obj)
 
 
-def _produce_checked(obj: dict) -> ProduceRequest:
+def _produce_checked(obj: dict[str, Any]) -> ProduceRequest:
     queue = _queue(obj)
     data = obj.get("data")
     if data is None:
@@ -181,7 +186,7 @@ def _produce_checked(obj: dict) -> ProduceRequest:
     return ProduceRequest(queue, data, delay, ttl, retry)
 
 
-def _msg_id(obj: dict) -> int:
+def _msg_id(obj: dict[str, Any]) -> int:
     value = obj.get("msg_id")
     if value is None:
         raise BadRequest("missing field: msg_id")
@@ -196,7 +201,7 @@ def _msg_id(obj: dict) -> int:
     return value
 
 
-def _pattern(obj: dict) -> str:
+def _pattern(obj: dict[str, Any]) -> str:
     pattern = obj.get("pattern")
     if pattern is None:
         return ""
