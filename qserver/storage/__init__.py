@@ -18,5 +18,6 @@ from .disk import (
 from .format import decode_snapshot, record_size_bound, store_wire_iter
 from .kernel_sync import KernelSync
 
-__all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES", "store_wire_iter",
-           "decode_snapshot", "record_size_bound", "snapshot_file_name", "unlink_quietly", "write_snapshot_file"]
+__all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES",
+           "store_wire_iter", "decode_snapshot", "record_size_bound", "snapshot_file_name",
+           "unlink_quietly", "write_snapshot_file"]

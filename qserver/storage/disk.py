@@ -53,7 +53,7 @@ sure n bytes of zeros lie ahead (writing more zeros if needed) and says
 False, without harm, when the file system is out of space (ENOSPC,
 EDQUOT); records written into that room never allocate, so they cannot
 fail for lack of space. The node reserves room before it accepts a write
-(cluster.py) and refuses the write otherwise. A segment roll that finds no
+(engines/native/driver.py) and refuses the write otherwise. A segment roll that finds no
 space for the new segment leaves the records in the current one, past
 segment_bytes. Every other write error (EIO), and a write outside the room
 that meets a full disk, poisons the storage (StorageError) and stops the
@@ -77,11 +77,11 @@ import os
 import re
 from array import array
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 from ..config import Fsync
-from ..state.entries import Record
 from ..errors import InvariantError
+from ..state.entries import Record
 from .format import encode_record, encode_snapshot_chunks, encode_vote, frame_offsets
 from .recovery import (
     Segment,
@@ -470,12 +470,15 @@ class DiskStorage:
         offsets = self._offsets
         may_roll = True  # False once a roll found no space (not tried again in this call)
         for frame in encoded:
-            if seg is None or (may_roll and seg.size + pending > 0
-                               and seg.size + pending + len(frame) > self.segment_bytes):
+            if seg is None:  # no current segment (so nothing in `frames`): one is required
+                seg = self._roll(trans_id, left, required=True)
+                offsets = self._offsets
+            elif (may_roll and seg.size + pending > 0
+                  and seg.size + pending + len(frame) > self.segment_bytes):
                 if frames:
                     self._write(seg, frames, pending)
                     frames, pending = [], 0
-                rolled = self._roll(trans_id, left, required=seg is None)
+                rolled = self._roll(trans_id, left, required=False)
                 if rolled is None:
                     may_roll = False
                 else:
@@ -486,7 +489,7 @@ class DiskStorage:
             pending += len(frame)
             left -= len(frame)
             trans_id += 1
-        if frames:
+        if frames and seg is not None:  # (frames are only ever added to a segment)
             self._write(seg, frames, pending)
         self._next_trans_id = expect
 
@@ -571,6 +574,11 @@ class DiskStorage:
         except OSError as exc:
             raise self._fail(seg.path, None, "fsync", exc) from exc
 
+    @overload
+    def _roll(self, first: int, nbytes: int, *, required: Literal[True]) -> Segment: ...
+    @overload
+    def _roll(self, first: int, nbytes: int, *, required: bool) -> Segment | None: ...
+
     def _roll(self, first: int, nbytes: int, *, required: bool) -> Segment | None:
         """Start `log-<first>.seg`, with zeros for at least `nbytes` of
         records, as the current segment; the one before is closed trimmed
@@ -580,6 +588,11 @@ class DiskStorage:
         segment_bytes, into the room reserved there), unless `required`
         (there is no current segment): then StorageError."""
         return self._open_segment(first, nbytes, required=required)
+
+    @overload
+    def _open_segment(self, first: int, nbytes: int, *, required: Literal[True]) -> Segment: ...
+    @overload
+    def _open_segment(self, first: int, nbytes: int, *, required: bool) -> Segment | None: ...
 
     def _open_segment(self, first: int, nbytes: int, *, required: bool) -> Segment | None:
         """Make `log-<first>.seg` the current segment: it is written under a

@@ -59,11 +59,22 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
-from ..state.entries import Confirm, Consume, Entry, Produce, Record, record_from_wire, record_to_wire
+from ..state.entries import (
+    Confirm,
+    Consume,
+    Entry,
+    Produce,
+    Record,
+    record_from_wire,
+    record_to_wire,
+)
+
+if TYPE_CHECKING:
+    from ..state.store import Store
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -120,7 +131,7 @@ class ScanResult(NamedTuple):
 def encode_record(record: Record) -> bytes:
     """One record as a frame. Raises ValueError if it is over MAX_RECORD_BYTES
     (it could never be read back)."""
-    payload = msgpack.packb(record_to_wire(record))
+    payload: bytes = msgpack.packb(record_to_wire(record))
     if len(payload) > MAX_RECORD_BYTES:
         raise ValueError(f"record {record.trans_id} is {len(payload)} bytes, "
                          f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
@@ -144,15 +155,14 @@ def record_size_bound(entry: Entry) -> int:
     holds `entry`, whatever its trans_id and vote_id: what the node reserves
     on disk before it accepts a write (see storage.disk, "A full disk").
     O(1) for a plain queue (O(k) for k real queues)."""
-    kind = type(entry)
-    if kind is Produce:
+    if type(entry) is Produce:
         size = _RECORD_OVERHEAD + 1 + 1 + 5 + _str_bound(entry.data) + 3 * _INT
         for name, _msg_id in entry.targets:
             size += 1 + _str_bound(name) + _INT
         return size
-    if kind is Consume:
+    if type(entry) is Consume:
         return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + 2 * _INT
-    if kind is Confirm:
+    if type(entry) is Confirm:
         return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + _INT
     return _RECORD_OVERHEAD + 1 + 1  # Noop
 
@@ -208,7 +218,7 @@ def scan(buf: bytes | bytearray | memoryview, base_offset: int = 0, *,
         if zlib.crc32(payload) != crc:
             return stop("corrupt", "crc mismatch")
         record = _decode_payload(payload)
-        if type(record) is str:
+        if isinstance(record, str):
             return stop("corrupt", record)
         if expect is not None and record.trans_id != expect:
             return stop("corrupt", f"trans_id {record.trans_id} where {expect} was due")
@@ -244,7 +254,7 @@ def resync(buf: bytes | bytearray | memoryview, start: int, *,
         if 0 < length <= MAX_RECORD_BYTES and p + length <= size \
                 and zlib.crc32(view[p:p + length]) == crc:
             record = _decode_payload(view[p:p + length])
-            if type(record) is not str and record.trans_id > after_trans_id:
+            if not isinstance(record, str) and record.trans_id > after_trans_id:
                 return h
         p += 1
 
@@ -288,7 +298,7 @@ _PIECE_BYTES = 1024 * 1024
 MAX_SNAPSHOT_CHUNK_BYTES = MAX_RECORD_BYTES
 
 
-def store_wire_iter(store: Any) -> Iterator[tuple[str, int, Iterator[tuple]]]:
+def store_wire_iter(store: Store) -> Iterator[tuple[str, int, Iterator[tuple[Any, ...]]]]:
     """The state of a `Store` in `Store.to_wire()`'s order and shape, lazily:
     (name, max_id, messages) per queue, messages as (msg_id, *message) tuples.
 
@@ -330,7 +340,7 @@ def encode_snapshot_chunks(trans_id: int, vote_id: int,
         pending.append(payload)
         pending_bytes += 4 + len(payload)
         n_queues += 1
-        batch: list = []
+        batch: list[Any] = []
         batch_bytes = 0
         for message in messages:
             batch.append(message)
@@ -452,8 +462,8 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes],
         raise ValueError(f"not a snapshot (magic {bytes(magic)!r})")
     if version != _SNAP_VERSION:
         raise ValueError(f"snapshot version {version} unknown (this build reads {_SNAP_VERSION})")
-    state: list = []
-    messages: list | None = None
+    state: list[Any] = []
+    messages: list[Any] | None = None
     n_messages = 0
     while True:
         (length,) = _U32.unpack(src.read(4, "chunk length"))

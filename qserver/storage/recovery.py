@@ -40,8 +40,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ..state.entries import Record
 from ..errors import QServerError
+from ..state.entries import Record
 from .format import decode_snapshot, decode_vote, resync, scan
 
 # Snapshots are read back in blocks of this size.
@@ -273,9 +273,12 @@ def fit_log_to_snapshot(found: LogFound, snapshot: tuple[int, int, Any] | None,
     if snapshot is not None and records:
         log_first, log_last = records[0].trans_id, records[-1].trans_id
         at = records[base - log_first] if log_first <= base <= log_last else None
-        if log_last < base or (at is not None and at.vote_id != snapshot[1]):
-            why = (f"ends at trans_id {log_last}" if log_last < base else
-                   f"has vote_id {at.vote_id} at trans_id {base}, the snapshot {snapshot[1]}")
+        why = None  # set if the log predates the snapshot
+        if log_last < base:
+            why = f"ends at trans_id {log_last}"
+        elif at is not None and at.vote_id != snapshot[1]:
+            why = f"has vote_id {at.vote_id} at trans_id {base}, the snapshot {snapshot[1]}"
+        if why is not None:
             for seg in segments:
                 os.unlink(seg.path)
                 report(f"{seg.path}: removed: the log {why}; it predates the snapshot "
