@@ -82,7 +82,7 @@ def run(body, loop_kind: str = "asyncio") -> None:
 class Node:
     """A PeerNetwork and what it has told us."""
 
-    def __init__(self, h: "Harness", node_id: int) -> None:
+    def __init__(self, h: Harness, node_id: int) -> None:
         self.h = h
         self.node_id = node_id
         self.inbox: list[tuple[int, object]] = []
@@ -103,9 +103,13 @@ class Node:
     def got(self, peer: int) -> list:
         return [obj for p, obj in self.inbox if p == peer]
 
+    def send_to_all(self, obj: object) -> int:
+        """`net.send(peer, obj)` to every configured peer; how many queued it."""
+        return sum(self.net.send(peer, obj) for peer in sorted(self.net.peers))
+
 
 class RecordWarnings(logging.Handler):
-    def __init__(self, h: "Harness") -> None:
+    def __init__(self, h: Harness) -> None:
         super().__init__(logging.WARNING)
         self.h = h
         self.messages: list[str] = []
@@ -130,18 +134,18 @@ class Harness:
     def poke(self) -> None:
         self.changed.set()
 
-    async def until(self, predicate, what: str, timeout: float = WAIT_S) -> None:
+    async def until(self, predicate, what: str, wait_s: float = WAIT_S) -> None:
         """Wait until predicate() holds; re-checked after every change."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + wait_s
         while not predicate():
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+                raise AssertionError(f"timed out after {wait_s} s waiting for {what}")
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def warned(self, *parts: str) -> int:
@@ -252,7 +256,7 @@ async def raw_dial_as(h: Harness, node: Node, my_id: int, secret: str = SECRET):
 
 
 @pytest.mark.parametrize("loop_kind", LOOPS)
-def test_three_nodes_exchange_both_ways_and_broadcast(loop_kind):
+def test_three_nodes_exchange_both_ways_and_to_every_peer(loop_kind):
     async def body(h: Harness):
         nodes = await h.start_nodes([1, 2, 3])
         n = list(nodes.values())
@@ -264,18 +268,18 @@ def test_three_nodes_exchange_both_ways_and_broadcast(loop_kind):
                     assert a.net.send(b.node_id, {"from": a.node_id, "to": b.node_id,
                                                   "data": b"\x00\xff", "list": [1, "x"]})
         for a in n:
-            assert a.net.broadcast(["bcast", a.node_id]) == 2
+            assert a.send_to_all(["to all", a.node_id]) == 2
 
         def done():
             return all(len(b.inbox) == 4 for b in n)
-        await h.until(done, "every node to get 2 sends and 2 broadcasts")
+        await h.until(done, "every node to get 2 sends and 2 sends to all")
         for b in n:
             for a in n:
                 if a is not b:
                     assert b.got(a.node_id) == [
                         {"from": a.node_id, "to": b.node_id, "data": b"\x00\xff",
                          "list": [1, "x"]},
-                        ["bcast", a.node_id]]
+                        ["to all", a.node_id]]
     run(body, loop_kind)
 
 
@@ -317,7 +321,7 @@ def test_large_message_arrives_whole():
         assert nodes[1].net.send(2, "before")
         assert nodes[1].net.send(2, {"snapshot": big})
         assert nodes[1].net.send(2, "after")
-        assert nodes[2].net.broadcast([big, big[:10]]) == 1
+        assert nodes[2].send_to_all([big, big[:10]]) == 1
         await h.until(lambda: len(nodes[2].inbox) == 3 and len(nodes[1].inbox) == 1, "3+1 msgs")
         assert nodes[2].got(1) == ["before", {"snapshot": big}, "after"]
         assert nodes[1].got(2) == [[big, big[:10]]]
@@ -343,7 +347,7 @@ def test_send_to_a_down_or_unknown_peer_returns_false():
         net = nodes[1].net
         assert not net.send(2, "x")
         assert not net.send(99, "x")
-        assert net.broadcast("x") == 0
+        assert nodes[1].send_to_all("x") == 0
         assert not net.connected(2)
         assert net.connected_ids() == set()
     run(body)
@@ -354,7 +358,7 @@ def test_unencodable_message_is_refused_without_raising():
         nodes = await h.start_nodes([1, 2])
         await h.until(lambda: all_connected(nodes.values()), "link up")
         assert nodes[1].net.send(2, object()) is False
-        assert nodes[1].net.broadcast({"x": {1, 2}}) == 0
+        assert nodes[1].send_to_all({"x": {1, 2}}) == 0
         assert nodes[1].net.send(2, "still fine")
         await h.until(lambda: nodes[2].inbox, "the good message")
         assert nodes[2].inbox == [(1, "still fine")]
@@ -389,7 +393,7 @@ def test_restarted_peer_is_reconnected_and_messages_flow_again(loop_kind):
         assert nodes[1].link_events[-1] == (2, False)
         assert nodes[3].link_events[-1] == (2, False)
         assert nodes[1].net.send(2, "lost") is False
-        assert nodes[1].net.broadcast("to 3 only") == 1
+        assert nodes[1].send_to_all("to 3 only") == 1
 
         new = await h.start_node(2, port, {1: (HOST, nodes[1].net.address[1]),
                                            3: (HOST, nodes[3].net.address[1])})
@@ -399,7 +403,7 @@ def test_restarted_peer_is_reconnected_and_messages_flow_again(loop_kind):
         for i in range(3):
             assert nodes[1].net.send(2, ["from 1", i])
             assert nodes[3].net.send(2, ["from 3", i])
-            assert new.net.broadcast(["from 2", i]) == 2
+            assert new.send_to_all(["from 2", i]) == 2
         await h.until(lambda: len(new.inbox) == 6 and len(nodes[1].got(2)) == 3
                       and len(nodes[3].got(2)) == 3, "messages after the restart")
         assert new.got(1) == [["from 1", i] for i in range(3)]
@@ -425,7 +429,7 @@ def test_wrong_secret_never_comes_up(good, bad):
                       and h.warned("node 2: dropping dialer", "(node 3)") >= 2,
                       "refusals logged")
         assert not nodes[3].net.connected_ids()
-        assert nodes[3].net.broadcast("let me in") == 0
+        assert nodes[3].send_to_all("let me in") == 0
         assert nodes[3].net.send(1, "let me in") is False
         assert not nodes[3].link_events
         assert nodes[1].link_events == [(2, True)] and nodes[2].link_events == [(1, True)]
@@ -530,7 +534,7 @@ def test_garbage_from_a_raw_socket_is_dropped_and_good_peers_are_served():
             reader, writer = await h.connect_raw(nodes[1])
             writer.write(garbage)
             assert await closed_by_peer(reader), name
-            await h.until(lambda: h.warned("node 1: dropping acceptor") == before + 1,
+            await h.until(lambda before=before: h.warned("node 1: dropping acceptor") == before + 1,
                           f"a warning for {name}")
             assert nodes[1].net.send(2, name)
             assert nodes[2].net.send(1, name)

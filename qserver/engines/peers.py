@@ -73,10 +73,10 @@ What the layer above can rely on:
   tolerate loss and repair it (retries, pulls), as the replication protocol
   does anyway.
 - on_link(peer, True) and on_link(peer, False) alternate, starting with
-  True; neither runs inside `send` or `broadcast`. An exception raised by a
-  callback is the caller's bug, not the peer's: it goes to the event loop's
-  exception handler (a node stops there, see node.Node.fatal; the
-  default handler logs it) and does not affect the link.
+  True; neither runs inside `send`. An exception raised by a callback is
+  the caller's bug, not the peer's: it goes to the event loop's exception
+  handler (a node stops there, see node.Node.fatal; the default handler
+  logs it) and does not affect the link.
 
 Dialing. One task per peer dials, waits for the connection to end, and
 dials again after a pause that doubles from `BACKOFF_MIN_S` to
@@ -95,6 +95,7 @@ import random
 import secrets
 import socket
 from collections.abc import Callable
+from typing import cast
 
 import msgpack
 
@@ -210,7 +211,7 @@ def _set_keepalive(sock) -> None:
 class _PeerLink(asyncio.Protocol):
     """One TCP connection to another node, from connect to close."""
 
-    def __init__(self, net: "PeerNetwork", role: _Role, peer_id: int | None = None) -> None:
+    def __init__(self, net: PeerNetwork, role: _Role, peer_id: int | None = None) -> None:
         self.net = net
         self.role = role
         # The peer's node id: the dialed one for a dialer; for an acceptor
@@ -235,14 +236,16 @@ class _PeerLink(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.peername = transport.get_extra_info("peername")
+        # asyncio's Protocol API names a BaseTransport; a TCP connection's is a Transport.
+        tcp = cast(asyncio.Transport, transport)
+        self.transport = tcp
+        self.peername = tcp.get_extra_info("peername")
         self.net._links.add(self)
         if self.net._closing:
             self.state = _State.CLOSED
-            transport.abort()
+            tcp.abort()
             return
-        sock = transport.get_extra_info("socket")
+        sock = tcp.get_extra_info("socket")
         if sock is not None:
             _set_keepalive(sock)
         self.timer = self.net._loop.call_later(self.net._handshake_timeout_s,
@@ -309,7 +312,7 @@ class _PeerLink(asyncio.Protocol):
                 return pos
             pos = end
             if self.state is _State.OPEN:
-                deliver(self.peer_id, obj)  # type: ignore[arg-type]
+                deliver(self.peer_id, obj)  # type: ignore[arg-type]  # OPEN: peer_id is set
             else:
                 self._handshake(obj)
             if self.state is _State.CLOSED:  # dropped, or closed by a callback
@@ -360,6 +363,8 @@ class _PeerLink(asyncio.Protocol):
                     and obj[1] == "auth"):
                 self._drop("not a qserver peer auth")
                 return
+            # AWAIT_AUTH follows a valid hello, which set both.
+            assert self.peer_id is not None and self.peer_nonce is not None
             expected = _proof(net._secret, _LABEL_DIALER, self.peer_id, self.peer_nonce,
                               net.node_id, self.nonce)
             if self._maybe_accept_proof(obj[2], expected):
@@ -727,6 +732,7 @@ class PeerNetwork:
             return
         link.registered = False
         peer_id = link.peer_id
+        assert peer_id is not None  # a link is registered once it is OPEN, with its peer's id
         table = self._out if link.role is _Role.DIALER else self._in
         if table.get(peer_id) is link:
             del table[peer_id]
@@ -780,21 +786,6 @@ class PeerNetwork:
         if body is None:
             return False
         return link.write_frame(body)
-
-    def broadcast(self, obj: object) -> int:
-        """Queue `obj` for every connected peer, encoding it once.
-
-        Returns the number of peers it was queued for; never raises.
-        """
-        if not self._current:
-            return 0
-        body = self._encode(obj)
-        if body is None:
-            return 0
-        sent = 0
-        for link in list(self._current.values()):
-            sent += link.write_frame(body)
-        return sent
 
     def connected(self, peer_id: int) -> bool:
         """Whether an authenticated link to `peer_id` is up."""

@@ -68,7 +68,8 @@ acknowledgements and the journal deletion are wrapped. Rules:
   kept tail is not vouched for).
 - A conflict with an entry already applied means committed entries
   diverged (impossible while Raft's assumptions hold): InvariantError, and
-  the node stops (raft_engine._QueueSync._onTick) instead of deleting it.
+  the node stops (engines/raft/driver.py, _QueueSync._onTick) instead of
+  deleting it.
 - An append we cannot take is rejected with a resume index: after our last
   entry if the append starts beyond it; else the first entry of our term at
   `prevLogIdx` (a deposed leader's whole tail at once), never below our
@@ -115,6 +116,10 @@ _KEEPALIVES_PER_TIMEOUT = 4
 
 class RaftAppends(SyncObj):
     """SyncObj with the append rules of this module's docstring."""
+
+    # pysyncobj's (SyncObj.__recvTransmission): the parts of a large entry
+    # received so far, "" between entries.
+    _SyncObj__recvTransmission: bytes | str
 
     def __init__(self, *args, **kwargs) -> None:
         # Set before SyncObj.__init__, so that pysyncobj counts these as

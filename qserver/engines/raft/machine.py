@@ -1,6 +1,7 @@
 """The raft engine's state-machine side: which committed entries count, and
-the master's speculation around them. No I/O: the adapter (`raft_engine`)
-feeds it pysyncobj's committed commands and carries out what it returns.
+the master's speculation around them. No I/O: the adapter
+(`engines.raft.driver`) feeds it pysyncobj's committed commands and carries
+out what it returns.
 
 Theory of operation
 -------------------
@@ -55,11 +56,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import msgpack
 
-from ...state.entries import entry_from_wire, entry_to_wire
 from ...errors import InvariantError
+from ...state.entries import Entry, entry_from_wire, entry_to_wire
 from ...state.store import Store
 from ..base import Done
 
@@ -74,11 +77,12 @@ OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
 # First element of a snapshot value; bump when its layout changes.
 SNAPSHOT_FORMAT = 1
 
-_packb = msgpack.Packer(use_bin_type=True).pack
+_packb: Callable[[object], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 
-def _unpack(payload: bytes) -> list:
-    return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+def _unpack(payload: bytes) -> list[Any]:
+    cmd: list[Any] = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+    return cmd
 
 
 class RaftMachine:
@@ -90,7 +94,8 @@ class RaftMachine:
         self.node_id = node_id
         self.async_mode = async_mode  # answer at propose time (queue_server's async mode)
         # Replicated (identical on every node after the same commands):
-        self.epoch: tuple[int, int, int] = (0, 0, 0)  # (term, k, node_id) of the last barrier that counted
+        # (term, k, node_id) of the last barrier that counted
+        self.epoch: tuple[int, int, int] = (0, 0, 0)
         self.next_seq = 1  # seq the next entry of `epoch` must carry to count
         # This node's own:
         self.applied_index = 0  # raft index of the last committed command handled
@@ -99,7 +104,7 @@ class RaftMachine:
         self.barrier_wanted: tuple[int, int, int] | None = None  # our barrier, not yet applied
         self._last_k = 0  # highest k this node has proposed (any term)
         # (token, undo ops, done, result, entry), oldest first; token = (*epoch, seq)
-        self.pending: deque[tuple[tuple[int, ...], list, Done | None, object, object]] = deque()
+        self.pending: deque[tuple[tuple[int, ...], list[Any], Done | None, object, Entry]] = deque()
 
     @property
     def is_master(self) -> bool:
@@ -115,7 +120,7 @@ class RaftMachine:
         self.barrier_wanted = (term, k, self.node_id)
         return _packb([BARRIER, term, k, self.node_id])
 
-    def propose(self, entry, done: Done) -> bytes | None:
+    def propose(self, entry: Entry, done: Done) -> bytes | None:
         """Apply `entry` speculatively and return the command to replicate;
         None (and `done` answered) if this node may not decide now."""
         if self.my_epoch is None:
@@ -124,12 +129,13 @@ class RaftMachine:
         term, k, node_id = self.my_epoch
         seq = self.my_next_seq
         self.my_next_seq = seq + 1
-        ops: list = []
+        ops: list[Any] = []
         result = self.store.apply(entry, ops)
+        waiting: Done | None = done  # None once answered
         if self.async_mode:
             done(result, None)
-            done = None
-        self.pending.append(((term, k, node_id, seq), ops, done, result, entry))
+            waiting = None
+        self.pending.append(((term, k, node_id, seq), ops, waiting, result, entry))
         return _packb([ENTRY, term, k, node_id, seq, entry_to_wire(entry)])
 
     # -- committed commands (every node) ----------------------------------------
@@ -193,33 +199,33 @@ class RaftMachine:
         self._abandon(answers)
         return answers
 
-    def _abandon(self, answers: list) -> None:
+    def _abandon(self, answers: list[Callable[[], None]]) -> None:
         pending = self.pending
         while pending:
             _, ops, done, _, _ = pending.pop()  # newest first
             self.store.revert(ops)
             if done is not None:
-                answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+                answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.my_epoch = None
 
     # -- snapshots ------------------------------------------------------------------
 
-    def snapshot(self) -> list:
+    def snapshot(self) -> list[Any]:
         """The replicated state as a msgpack-friendly value, without this
         node's pending entries (undone around the dump and redone)."""
         pending = list(self.pending)
-        for _, ops, _, _, _ in reversed(pending):
-            self.store.revert(ops)
+        for _, undo, _, _, _ in reversed(pending):
+            self.store.revert(undo)
         state = [SNAPSHOT_FORMAT, list(self.epoch), self.next_seq, self.store.to_wire()]
         self.pending.clear()
         for token, _, done, result, entry in pending:
-            ops: list = []
+            ops: list[Any] = []
             # Same entries in the same order on the same state: same results.
             self.store.apply(entry, ops)
             self.pending.append((token, ops, done, result, entry))
         return state
 
-    def load_snapshot(self, index: int, state: list) -> list[Callable[[], None]]:
+    def load_snapshot(self, index: int, state: list[Any]) -> list[Callable[[], None]]:
         """Replace the replicated state with a snapshot taken at `index`."""
         answers: list[Callable[[], None]] = []
         self._abandon(answers)
