@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from .config import Config, load_config, log_level
 from .errors import ConfigError, InvalidArgument, QServerClientError
@@ -47,10 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a node")
     run.add_argument("--config", metavar="FILE",
-                     help="XML (or queue_server JSON) configuration; default: one node on 127.0.0.1:1111")
+                     help="XML (or queue_server JSON) configuration; "
+                          "default: one node on 127.0.0.1:1111")
     run.add_argument("--log-level", metavar="LEVEL",
                      help="debug|info|warning|error or queue_server's 0-7; overrides the config")
-    demo = sub.add_parser("local-cluster", help="run several nodes as child processes (the local demo cluster)")
+    demo = sub.add_parser("local-cluster",
+                          help="run several nodes as child processes (the local demo cluster)")
     demo.add_argument("configs", nargs="*", metavar="CONFIG",
                       default=["config/node1.xml", "config/node2.xml", "config/node3.xml"],
                       help="one config per node (default: config/node1.xml to node3.xml)")
@@ -105,11 +108,14 @@ def _local_cluster(paths: list[str]) -> int:
             return 1 if not stop else 0
         nodes = ", ".join(f"node {c.node_id} on {c.host}:{c.port}" for c in configs)
         print(f"qserver local cluster: {nodes}")
-        print(f"master: node {leader['leader_node_id']} on {leader['leader_host']}:{leader['leader_port']}")
+        print(f"master: node {leader['leader_node_id']} on "
+              f"{leader['leader_host']}:{leader['leader_port']}")
         first = configs[0]
         print("try (any node answers; slaves forward to the master):")
-        print(f"  echo '{{\"action\":1,\"queue\":\"demo\",\"data\":\"hello\"}}' | nc -q1 {first.host} {first.port}")
-        print(f"  echo '{{\"action\":2,\"queue\":\"demo\"}}' | nc -q1 {configs[-1].host} {configs[-1].port}")
+        print(f"  echo '{{\"action\":1,\"queue\":\"demo\",\"data\":\"hello\"}}' "
+              f"| nc -q1 {first.host} {first.port}")
+        print(f"  echo '{{\"action\":2,\"queue\":\"demo\"}}' "
+              f"| nc -q1 {configs[-1].host} {configs[-1].port}")
         print("Ctrl-C stops all nodes.", flush=True)
         while not stop and all(c.poll() is None for c in children):
             time.sleep(0.2)
@@ -289,15 +295,16 @@ def _status(servers: list[tuple[str, int]], args) -> int:
             if leader_address not in views:
                 addresses.append(leader_address)
                 views[leader_address] = ask(leader_address, {"action": 104})
-    rows = []
+    rows: list[dict[str, Any]] = []
     for address in addresses:
         view = views[address]
-        row = {"address": f"{address[0]}:{address[1]}", "reachable": view is not None}
+        row: dict[str, Any] = {"address": f"{address[0]}:{address[1]}",
+                               "reachable": view is not None}
         row.update({key: (view or {}).get(key) for key in STATUS_FIELDS})
         if view is None:
             row["role"] = "down"
         rows.append(row)
-    masters = [views[a] for a in addresses if views[a] and views[a].get("role") == "master"]
+    masters = [v for a in addresses if (v := views[a]) and v.get("role") == "master"]
     # The master's own view; with several (a stale one after a partition),
     # the one of the highest vote_id.
     master = max(masters, key=lambda v: v.get("vote_id", 0)) if masters else None
@@ -422,12 +429,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         level = config.log_level
         if args.log_level:
-            level = log_level(args.log_level)
-            if level is None:
+            asked = log_level(args.log_level)
+            if asked is None:
                 print(f"qserver: bad --log-level {args.log_level!r}", file=sys.stderr)
                 return 2
+            level = asked
         logging.basicConfig(level=level, stream=sys.stderr,
-                            format=f"%(asctime)s {config.log_prefix}[{config.node_id}] %(levelname)s %(message)s")
+                            format=f"%(asctime)s {config.log_prefix}[{config.node_id}] "
+                                   "%(levelname)s %(message)s")
         try:
             import uvloop
             return uvloop.run(_run(config))

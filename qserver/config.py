@@ -24,6 +24,7 @@ import json
 import logging
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 from .errors import ConfigError
 from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
@@ -115,7 +116,7 @@ class Config:
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
 
     @classmethod
-    def default(cls) -> "Config":
+    def default(cls) -> Config:
         """One node on 127.0.0.1:1111, everything else at its default."""
         return cls()
 
@@ -156,6 +157,16 @@ class _Reader:
         if unknown:
             raise self.error(f"unknown attribute {unknown[0]!r} (known: {', '.join(names)})")
 
+    # text, integer and port give `default` when the attribute is absent, or
+    # raise if it is `required`: never None when either says so.
+    @overload
+    def text(self, name: str, default: str, *, required: bool = False) -> str: ...
+    @overload
+    def text(self, name: str, default: None = None, *, required: Literal[True]) -> str: ...
+    @overload
+    def text(self, name: str, default: str | None = None, *,
+             required: bool = False) -> str | None: ...
+
     def text(self, name: str, default: str | None = None, *, required: bool = False) -> str | None:
         value = self.attrs.get(name)
         if value is None:
@@ -166,8 +177,18 @@ class _Reader:
             value = str(value)
         return value
 
-    def int(self, name: str, default: int | None = None, *, lo: int, hi: int,
-            required: bool = False) -> int | None:
+    @overload
+    def integer(self, name: str, default: int, *, lo: int, hi: int,
+                required: bool = False) -> int: ...
+    @overload
+    def integer(self, name: str, default: None = None, *, lo: int, hi: int,
+                required: Literal[True]) -> int: ...
+    @overload
+    def integer(self, name: str, default: int | None = None, *, lo: int, hi: int,
+                required: bool = False) -> int | None: ...
+
+    def integer(self, name: str, default: int | None = None, *, lo: int, hi: int,
+                required: bool = False) -> int | None:
         raw = self.attrs.get(name)
         if raw is None:
             if required:
@@ -213,8 +234,13 @@ class _Reader:
             raise self.error(f"{name}={value!r} is not a host name or address")
         return value
 
+    @overload
+    def port(self, name: str, default: int, *, required: bool = False) -> int: ...
+    @overload
+    def port(self, name: str, default: None = None, *, required: Literal[True]) -> int: ...
+
     def port(self, name: str, default: int | None = None, *, required: bool = False) -> int | None:
-        return self.int(name, default, lo=1, hi=65535, required=required)
+        return self.integer(name, default, lo=1, hi=65535, required=required)
 
     def address(self, name: str) -> tuple[str, int] | None:
         """An optional "host:port" attribute."""
@@ -257,16 +283,16 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
     r = sections.get("node_info")
     if r:
         r.check_known("node_type", "node_id", "host", "port")
-        kw["node_type"] = r.int("node_type", 10, lo=0, hi=2**31 - 1)
-        kw["node_id"] = r.int("node_id", 1, lo=1, hi=2**31 - 1)
+        kw["node_type"] = r.integer("node_type", 10, lo=0, hi=2**31 - 1)
+        kw["node_id"] = r.integer("node_id", 1, lo=1, hi=2**31 - 1)
         kw["host"] = r.host("host", DEFAULT_HOST)
         kw["port"] = r.port("port", DEFAULT_PORT)
     r = sections.get("queue_config")
     if r:
         r.check_known("queue_size", "log_size", "sync_rate")
-        kw["queue_size"] = r.int("queue_size", DEFAULT_QUEUE_SIZE, lo=1, hi=2**40)
-        kw["log_size"] = r.int("log_size", DEFAULT_LOG_SIZE, lo=1, hi=2**40)
-        kw["sync_rate"] = r.int("sync_rate", DEFAULT_SYNC_RATE, lo=1, hi=2**31 - 1)
+        kw["queue_size"] = r.integer("queue_size", DEFAULT_QUEUE_SIZE, lo=1, hi=2**40)
+        kw["log_size"] = r.integer("log_size", DEFAULT_LOG_SIZE, lo=1, hi=2**40)
+        kw["sync_rate"] = r.integer("sync_rate", DEFAULT_SYNC_RATE, lo=1, hi=2**31 - 1)
     r = sections.get("replication")
     if r:
         r.check_known("engine", "mode", "forward_request")
@@ -284,18 +310,18 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
     r = sections.get("limits")
     if r:
         r.check_known("max_request_size")
-        kw["max_request_size"] = r.int("max_request_size", DEFAULT_MAX_REQUEST_SIZE,
-                                       lo=MIN_REQUEST_SIZE, hi=MAX_REQUEST_SIZE)
+        kw["max_request_size"] = r.integer("max_request_size", DEFAULT_MAX_REQUEST_SIZE,
+                                           lo=MIN_REQUEST_SIZE, hi=MAX_REQUEST_SIZE)
     if cluster:
         cluster.check_known("secret")
         secret = cluster.text("secret")
         if secret is not None and not secret:
             raise cluster.error("secret must not be empty (omit it for no authentication)")
         kw["secret"] = secret
-    peers = []
+    peers: list[PeerConfig] = []
     for n in nodes:
         n.check_known("id", "host", "port", "dial", "raft_dial")
-        peer = PeerConfig(node_id=n.int("id", lo=1, hi=2**31 - 1, required=True),
+        peer = PeerConfig(node_id=n.integer("id", lo=1, hi=2**31 - 1, required=True),
                           host=n.host("host", DEFAULT_HOST), port=n.port("port", required=True),
                           dial=n.address("dial"), raft_dial=n.address("raft_dial"))
         if any(p.node_id == peer.node_id for p in peers):
@@ -306,12 +332,16 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
     if peers:
         node_id = kw.get("node_id", 1)
         if not any(p.node_id == node_id for p in peers):
-            raise ConfigError(file, "cluster", f"node_info node_id={node_id} is not one of the cluster's nodes")
+            raise ConfigError(file, "cluster",
+                              f"node_info node_id={node_id} is not one of the cluster's nodes")
         if len(peers) % 2 == 0:
-            raise ConfigError(file, "cluster", f"{len(peers)} nodes: a cluster needs an odd number of nodes")
+            raise ConfigError(file, "cluster",
+                              f"{len(peers)} nodes: a cluster needs an odd number of nodes")
         me = next(p for p in peers if p.node_id == node_id)
-        if me.port == kw.get("port", DEFAULT_PORT) and me.host in (kw.get("host", DEFAULT_HOST), "0.0.0.0"):
-            raise ConfigError(file, "cluster", f"node {node_id}'s internal port {me.port} is its client port")
+        if (me.port == kw.get("port", DEFAULT_PORT)
+                and me.host in (kw.get("host", DEFAULT_HOST), "0.0.0.0")):
+            raise ConfigError(file, "cluster",
+                              f"node {node_id}'s internal port {me.port} is its client port")
     kw["peers"] = tuple(sorted(peers, key=lambda p: p.node_id))
     vqs: dict[str, tuple[str, ...]] = {}
     for vr, members in virtual:
@@ -329,11 +359,12 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
         if not reals:
             raise vr.error(f"virtual queue {name!r} has no <queue> members")
         vqs[name] = tuple(reals)
-    for name, reals in vqs.items():
-        for real in reals:
+    for name, listed in vqs.items():
+        for real in listed:
             if real in vqs:
                 raise ConfigError(file, "virtual_queue",
-                                  f"virtual queue {name!r} lists virtual queue {real!r}; members must be real queues")
+                                  f"virtual queue {name!r} lists virtual queue {real!r}; "
+                                  "members must be real queues")
     kw["virtual_queues"] = vqs
     return Config(**kw)
 
@@ -374,7 +405,8 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
                 if not isinstance(q.tag, str):
                     continue
                 if q.tag != "queue":
-                    raise ConfigError(file, f"virtual_queue/{q.tag}", "unknown element (expected <queue>)")
+                    raise ConfigError(file, f"virtual_queue/{q.tag}",
+                                      "unknown element (expected <queue>)")
                 members.append(_Reader(file, "virtual_queue/queue", q.attrib))
             virtual.append((_Reader(file, "virtual_queue", el.attrib), members))
         else:

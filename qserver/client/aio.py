@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -101,10 +102,15 @@ class AsyncClient:
     async def request(self, obj: dict) -> dict:
         """As `Client.request`."""
         obj, user_seq = _raw_request(obj)
-        return _raw_answer((await self._exchange([obj], 1, stop_on_error=True))[0], user_seq)
+        return _raw_answer(await self._one(obj), user_seq)
 
     async def _call(self, obj: dict) -> dict:
-        return _checked((await self._exchange([obj], 1, stop_on_error=True))[0])
+        return _checked(await self._one(obj))
+
+    async def _one(self, obj: dict) -> dict:
+        answer = (await self._exchange([obj], 1, stop_on_error=True))[0]
+        assert answer is not None  # a lone request is answered once the exchange finishes
+        return answer
 
     async def produce(self, queue: str, data: str, *, delay: object = None, ttl: object = None,
                       retry: object = 0) -> int:
@@ -185,11 +191,13 @@ class AsyncClient:
             pause = min(pause * 2, POLL_MAX_S)
 
     async def _exchange(self, requests: Sequence[dict], window: int, *,
-                        stop_on_error: bool) -> list:
+                        stop_on_error: bool) -> builtins.list[dict | None]:
+        # (builtins.list: in this class, `list` is the method.)
         async with self._lock:
             ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
             router = self._router
             router.begin()
+            error: Exception | None
             while not ex.finished:
                 if ex.halted:
                     self._drop()
@@ -198,6 +206,10 @@ class AsyncClient:
                                                 f"{_describe(ex.redirect)})")
                         delay = router.redirected(ex.redirect, error, time.monotonic())
                     else:
+                        # Halted but not finished: no refusal stopped the
+                        # exchange (it would be finished once idle), so a
+                        # retriable refusal halted it.
+                        assert ex.retry_error is not None
                         delay = router.failed(ex.retry_error, time.monotonic())
                     ex.resume()
                     await asyncio.sleep(delay)
@@ -210,8 +222,9 @@ class AsyncClient:
                         self._conn = await _AsyncConnection.open(address, self.timeout)
                     await self._pump(self._conn, ex)
                     error = None
-                except (TimeoutError, asyncio.TimeoutError):
-                    error = ClientTimeout(f"{_describe(address)}: no answer within {self.timeout} s")
+                except TimeoutError:
+                    error = ClientTimeout(
+                        f"{_describe(address)}: no answer within {self.timeout} s")
                 except (OSError, _BrokenStream) as exc:
                     error = ClientConnectionError(f"{_describe(address)}: {exc}")
                 except BaseException:

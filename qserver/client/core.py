@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeGuard
 
 import orjson
 
@@ -66,11 +67,12 @@ RECV_SIZE = 256 * 1024
 ABSOLUTE_TIME_FROM = 1_000_000_000
 
 # Reasons for which asking again (elsewhere, a little later) can succeed:
-# the server's words (service.py, cluster.py, replication/native.py).
+# the server's words (service.py, engines/forwarding.py, and OUTCOME_UNKNOWN
+# in engines/native/core.py and engines/raft/machine.py).
 NO_LEADER = "no leader"
 OUTCOME_UNKNOWN_SUFFIX = "outcome unknown"
 
-# The server's reason for a full queue is "queue full: NAME" (store.py).
+# The server's reason for a full queue is "queue full: NAME" (state/store.py).
 QUEUE_FULL_PREFIX = "queue full:"
 
 PRODUCE_KEYS = frozenset({"queue", "data", "delay", "ttl", "retry"})
@@ -124,7 +126,7 @@ def parse_hosts(hosts: str | Iterable[str | Address]) -> list[Address]:
     return out
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -197,6 +199,7 @@ def server_error(response: dict, index: int | None = None) -> ServerError:
     """The typed exception for a refusing answer."""
     reason = str(response.get("reason", "unknown error"))
     code = response.get("code", -1)
+    cls: type[ServerError]
     if reason == NO_LEADER:
         cls = NoLeader
     elif reason.startswith(QUEUE_FULL_PREFIX):

@@ -3,6 +3,7 @@ its `Delivery`; the exchange and retry logic are `core`'s."""
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import select
 import socket
@@ -103,10 +104,15 @@ class Client:
         up. A `seq` in `obj` comes back in the answer (the client uses its
         own on the wire)."""
         obj, user_seq = _raw_request(obj)
-        return _raw_answer(self._exchange([obj], 1, stop_on_error=True)[0], user_seq)
+        return _raw_answer(self._one(obj), user_seq)
 
     def _call(self, obj: dict) -> dict:
-        return _checked(self._exchange([obj], 1, stop_on_error=True)[0])
+        return _checked(self._one(obj))
+
+    def _one(self, obj: dict) -> dict:
+        answer = self._exchange([obj], 1, stop_on_error=True)[0]
+        assert answer is not None  # a lone request is answered once the exchange finishes
+        return answer
 
     def produce(self, queue: str, data: str, *, delay: object = None, ttl: object = None,
                 retry: object = 0) -> int:
@@ -214,11 +220,14 @@ class Client:
 
     # -- the driver ---------------------------------------------------------
 
-    def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool) -> list:
+    def _exchange(self, requests: Sequence[dict], window: int, *,
+                  stop_on_error: bool) -> builtins.list[dict | None]:
+        # (builtins.list: in this class, `list` is the method.)
         with self._lock:
             ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
             router = self._router
             router.begin()
+            error: Exception | None
             while not ex.finished:
                 if ex.halted:  # drained after a redirect or a retriable refusal
                     self.close()
@@ -227,6 +236,10 @@ class Client:
                                                 f"{_describe(ex.redirect)})")
                         delay = router.redirected(ex.redirect, error, time.monotonic())
                     else:
+                        # Halted but not finished: no refusal stopped the
+                        # exchange (it would be finished once idle), so a
+                        # retriable refusal halted it.
+                        assert ex.retry_error is not None
                         delay = router.failed(ex.retry_error, time.monotonic())
                     ex.resume()
                     time.sleep(delay)
@@ -240,7 +253,8 @@ class Client:
                     self._pump(self._conn, ex)
                     error = None
                 except TimeoutError:
-                    error = ClientTimeout(f"{_describe(address)}: no answer within {self.timeout} s")
+                    error = ClientTimeout(
+                        f"{_describe(address)}: no answer within {self.timeout} s")
                 except (OSError, _BrokenStream) as exc:
                     error = ClientConnectionError(f"{_describe(address)}: {exc}")
                 except BaseException:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
+from typing import Any
 
 import orjson
 import pyarrow as pa
@@ -110,6 +111,7 @@ def batch_items(batch: pa.RecordBatch, opts: SinkOptions, first_row: int = 0) ->
         RowError for a row that cannot become a message.
     """
     data = _data(batch, opts, first_row)
+    items: list[dict[str, Any]]
     if opts.queue is not None:
         queue = opts.queue
         items = [{"queue": queue, "data": d} for d in data]
