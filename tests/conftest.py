@@ -1,6 +1,13 @@
 import pytest
 
-from procs import NodeProcess, free_port, write_config
+from procs import NodeProcess, clients_closed_at_end, free_port, write_config
+
+
+@pytest.fixture(autouse=True)
+def close_clients():
+    """Every procs.TcpClient/UdpClient a test leaves open is closed when it ends."""
+    with clients_closed_at_end():
+        yield
 
 
 @pytest.fixture

@@ -1,8 +1,11 @@
 """Real qserver processes on free loopback ports, for integration tests.
 
 Every process started here is tracked and killed at the end of the test that
-started it (see the `procs` fixture in conftest.py). Waits are on conditions
-with generous deadlines: CI is a shared, noisy 2-core machine.
+started it (see the `procs` fixture in conftest.py), and every TcpClient and
+UdpClient a test opens and does not close is closed when it ends (the
+`close_clients` fixture), not left to the garbage collector (a
+ResourceWarning, an error under the suite's filterwarnings). Waits are on
+conditions with generous deadlines: CI is a shared, noisy 2-core machine.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Generous: a cold Python start on a loaded 2-core machine can take seconds.
@@ -97,9 +102,27 @@ class NodeProcess:
 
 
 def write_config(path: Path, port: int, extra: str = "", node_id: int = 1) -> Path:
-    path.write_text(
-        f'<config>\n  <node_info node_id="{node_id}" host="127.0.0.1" port="{port}"/>\n{extra}</config>\n')
+    path.write_text(f'<config>\n  <node_info node_id="{node_id}" host="127.0.0.1" '
+                    f'port="{port}"/>\n{extra}</config>\n')
     return path
+
+
+# The clients open while a test runs (None outside `clients_closed_at_end`:
+# a bench keeps none).
+_open_clients: set[TcpClient | UdpClient] | None = None
+
+
+@contextmanager
+def clients_closed_at_end() -> Iterator[None]:
+    """Close, when the block ends, every client opened in it and still open."""
+    global _open_clients
+    _open_clients = set()
+    try:
+        yield
+    finally:
+        left, _open_clients = _open_clients, None
+        for client in left:
+            client.sock.close()
 
 
 class TcpClient:
@@ -107,6 +130,8 @@ class TcpClient:
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+        if _open_clients is not None:
+            _open_clients.add(self)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = b""
 
@@ -130,7 +155,7 @@ class TcpClient:
                 if not chunk:
                     return True
                 self.buf += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             return False
 
     def request(self, **fields) -> dict:
@@ -139,12 +164,16 @@ class TcpClient:
 
     def close(self) -> None:
         self.sock.close()
+        if _open_clients is not None:
+            _open_clients.discard(self)
 
 
 class UdpClient:
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.addr = (host, port)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if _open_clients is not None:
+            _open_clients.add(self)
         self.sock.settimeout(IO_TIMEOUT_S)
 
     def send_raw(self, data: bytes) -> dict:
@@ -157,6 +186,8 @@ class UdpClient:
 
     def close(self) -> None:
         self.sock.close()
+        if _open_clients is not None:
+            _open_clients.discard(self)
 
 
 def cluster_config(node_id: int, client_ports: list[int], internal_ports: list[int],

@@ -14,8 +14,19 @@ import time
 
 import pytest
 
-from harness import (DROP, PASS, FaultCluster, NodeClient, Op, Outcome, ProxyProcess,
-                     RunConfig, check, format_report, run)
+from harness import (
+    DROP,
+    PASS,
+    FaultCluster,
+    NodeClient,
+    Op,
+    Outcome,
+    ProxyProcess,
+    RunConfig,
+    check,
+    format_report,
+    run,
+)
 from harness.checker import NodeState
 from harness.nemesis import Fault
 from harness.workload import classify
@@ -70,7 +81,8 @@ def test_confirm_on_a_cut_off_master_is_not_acknowledged_and_not_undone(tmp_path
         slaves = [i for i in c.ids if i != m]
         client = NodeClient({i: c.ports[i].client for i in c.ids})
         try:
-            produced = _until_ok(client, [m], {"action": 1, "queue": "i12", "data": "x", "retry": 5})
+            produced = _until_ok(client, [m],
+                                 {"action": 1, "queue": "i12", "data": "x", "retry": 5})
             got = _until_ok(client, [m], {"action": 2, "queue": "i12"})
             assert got["data"] == "x" and produced["msg_id"] > 0
             msg_id = got["msg_id"]
@@ -180,7 +192,8 @@ def test_proxy_passes_drops_and_resets(echo_server):
 
         proxy.set(["l"], back=PASS, refuse=True)  # reset existing and new connections
         assert _closed_by_proxy(b)
-        assert _closed_by_proxy(_connect(port))
+        refused = _connect(port)
+        assert _closed_by_proxy(refused)
 
         proxy.set(["l"], refuse=False, fwd=DROP, back=DROP)  # a new connection is held
         c = _connect(port)
@@ -192,7 +205,7 @@ def test_proxy_passes_drops_and_resets(echo_server):
         d = _connect(port)
         d.sendall(b"four")
         assert d.recv(16) == b"four"
-        for s in (a, b, c, d):
+        for s in (a, b, refused, c, d):
             s.close()
     finally:
         proxy.close()

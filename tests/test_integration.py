@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from procs import wait_until, TcpClient, UdpClient
+from procs import TcpClient, UdpClient, wait_until
 
 # Slack for the retry scenario: time moves on between requests on a busy box.
 RETRY_S = 2
@@ -237,7 +237,8 @@ def test_clean_shutdown_on_signal(node, sig):
 def test_port_in_use_is_an_error(procs, tmp_path):
     node = procs(tmp_path)
     path = tmp_path / "second.xml"
-    path.write_text(f'<config><node_info node_id="1" host="127.0.0.1" port="{node.port}"/></config>')
+    path.write_text('<config><node_info node_id="1" host="127.0.0.1" '
+                    f'port="{node.port}"/></config>')
     r = _run_cli("run", "--config", str(path))
     assert r.returncode == 1 and "cannot listen" in r.stderr
 
@@ -250,16 +251,17 @@ def test_embedded_default_needs_no_config():
             s.bind(("127.0.0.1", 1111))
         except OSError:
             pytest.skip("port 1111 is in use here")
-    p = subprocess.Popen([sys.executable, "-m", "qserver", "run"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline()
-        assert "ready on 127.0.0.1:1111" in line
-        c = TcpClient(1111)
-        assert c.request(action=8)["leader_port"] == 1111
-        c.close()
-        p.send_signal(signal.SIGINT)
-        assert p.wait(20) == 0
-    finally:
-        p.kill()
-        p.wait()
+    # `with`: the pipes are closed at the end (the process is waited for).
+    with subprocess.Popen([sys.executable, "-m", "qserver", "run"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as p:
+        try:
+            line = p.stdout.readline()
+            assert "ready on 127.0.0.1:1111" in line
+            c = TcpClient(1111)
+            assert c.request(action=8)["leader_port"] == 1111
+            c.close()
+            p.send_signal(signal.SIGINT)
+            assert p.wait(20) == 0
+        finally:
+            p.kill()
+            p.wait()

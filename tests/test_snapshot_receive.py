@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
-from qserver.state.entries import Produce
 from qserver.engines.messages import Snapshot, SnapshotChunk
 from qserver.engines.native.snapshots import SnapshotFiles
-from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file
+from qserver.state.entries import Produce
 from qserver.state.store import Store
+from qserver.storage import DiskStorage, snapshot_file_name, store_wire_iter, write_snapshot_file
 
 
 class _Core:
@@ -30,7 +30,8 @@ def _snapshot_bytes(tmp_path, trans_id: int, vote_id: int, data: str) -> bytes:
     src = tmp_path / f"src-{trans_id}"
     src.mkdir()
     path = write_snapshot_file(str(src), trans_id, vote_id, store_wire_iter(store))
-    return open(path, "rb").read()
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _receive(files: SnapshotFiles, peer: int, trans_id: int, vote_id: int, body: bytes) -> None:
