@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from harness import FAULT_KINDS, RunConfig, format_report, run  # noqa: E402
+from harness import FAULT_KINDS, RunConfig, format_report, run
 
 
 def main(argv: list[str] | None = None) -> int:

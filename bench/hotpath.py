@@ -51,13 +51,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import orjson  # noqa: E402
+import orjson
 
-from noop_server import NoopTcp, NoopUdp  # noqa: E402
-from qserver.config import Config  # noqa: E402
-from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD  # noqa: E402
-from qserver.node import GC_THRESHOLDS, Node  # noqa: E402
-from qserver.server import ClientTcpProtocol, ClientUdpProtocol  # noqa: E402
+from noop_server import NoopTcp, NoopUdp
+from qserver.config import Config
+from qserver.node import GC_THRESHOLDS, Node
+from qserver.server import ClientTcpProtocol, ClientUdpProtocol
+from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
 
 MODES = ("produce", "consume", "confirm")
 PROTOS = ("tcp", "udp")
@@ -92,12 +92,6 @@ class FakeTransport:
         pass
 
     def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
         pass
 
 

@@ -42,12 +42,9 @@ started here is ended before exit, Ctrl-C too.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import random
 import re
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -291,7 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--fsync", default="always", choices=("off", "batch", "always"))
     p.add_argument("--log-size", type=int, default=100_000)
     p.add_argument("--qserver-src", default=None,
-                   help="run the nodes from this source tree (e.g. a git worktree of an older commit)")
+                   help="run the nodes from this source tree "
+                        "(e.g. a git worktree of an older commit)")
     args = p.parse_args(argv)
     print("$ " + shlex.join([sys.executable, *sys.argv]))
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average "

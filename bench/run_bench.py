@@ -71,12 +71,12 @@ from dataclasses import dataclass, field
 import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import loadgen  # noqa: E402  (this directory, whether run as a script or not)
-from loadgen import CONSUME_QUEUE, MODES, PROTOS, LoadResult  # noqa: E402
+import loadgen  # this directory, whether run as a script or not
+from loadgen import CONSUME_QUEUE, MODES, PROTOS, LoadResult
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
-from procs import free_port  # noqa: E402,F401  (durability_bench imports it from here)
+from procs import free_port
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
@@ -350,7 +350,8 @@ async def _measure(args: argparse.Namespace, servers: dict[str, ServerProcess]) 
                           f"{_fmt_rate(res.throughput):>8} req/s  p50 {res.p50_ms:.3f} ms  "
                           f"p99 {res.p99_ms:.3f} ms  max {res.max_ms:.1f} ms  "
                           f"errors {res.errors}  empty {res.empty}  "
-                          f"cpu/req server {_fmt_us(cell.server_us[-1] if cell.server_us else None)} us"
+                          f"cpu/req server "
+                          f"{_fmt_us(cell.server_us[-1] if cell.server_us else None)} us"
                           f" gen {_fmt_us(cell.gen_us[-1] if cell.gen_us else None)} us",
                           flush=True)
     print()

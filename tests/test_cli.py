@@ -105,7 +105,8 @@ def test_down_node_exits_1(tmp_path):
     """The installed entry point, against a port nobody listens on."""
     down = f"127.0.0.1:{free_port()}"
     for args in (["produce", "q", "x"], ["status"]):
-        r = subprocess.run([sys.executable, "-m", "qserver", *args, "-s", down, "--retry-for", "0.5"],
+        r = subprocess.run([sys.executable, "-m", "qserver", *args, "-s", down,
+                            "--retry-for", "0.5"],
                            capture_output=True, text=True, timeout=DEADLINE_S)
         assert r.returncode == 1, r
         assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("qserver: ")

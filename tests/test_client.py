@@ -8,7 +8,7 @@ import asyncio
 import math
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -86,13 +86,14 @@ def test_times_become_whole_absolute_seconds_rounded_up():
     assert r == {"action": 1, "queue": "q", "data": "d", "delay": math.ceil(now + 30),
                  "ttl": math.ceil(now + 3600), "retry": 2}
     naive = datetime.fromtimestamp(now + 10)  # local time
-    aware = datetime.fromtimestamp(now + 10, tz=timezone.utc)
+    aware = datetime.fromtimestamp(now + 10, tz=UTC)
     for when in (naive, aware):
         assert produce_request("q", "d", delay=when, now_s=now)["delay"] == math.ceil(now + 10)
     # absolute unix times pass through; a delay already past is left out (ready now)
     assert produce_request("q", "d", delay=1_800_000_000, now_s=now)["delay"] == 1_800_000_000
     assert "delay" not in produce_request("q", "d", delay=0, now_s=now)
-    assert "delay" not in produce_request("q", "d", delay=datetime.fromtimestamp(now - 5), now_s=now)
+    past = datetime.fromtimestamp(now - 5)
+    assert "delay" not in produce_request("q", "d", delay=past, now_s=now)
     assert produce_request("q", "d", now_s=now) == {"action": 1, "queue": "q", "data": "d"}
 
 
@@ -134,7 +135,7 @@ def test_produce_consume_confirm(client):
 def test_delay_as_timedelta_and_datetime(client):
     client.produce("later", "td", delay=timedelta(seconds=2))
     client.produce("later", "dt", delay=datetime.now() + timedelta(seconds=2))
-    client.produce("later", "utc", delay=datetime.now(timezone.utc) + timedelta(seconds=2))
+    client.produce("later", "utc", delay=datetime.now(UTC) + timedelta(seconds=2))
     assert client.consume("later") is None
     mon = client.monitor("later")
     assert (mon["delayed"], mon["ready"]) == (3, 0)
@@ -196,7 +197,8 @@ def test_queue_full_is_typed(tmp_path):
     small = start_node(tmp_path, '<queue_config queue_size="3"/>\n' + VIRTUAL)
     try:
         with Client([("127.0.0.1", small.port)]) as c:
-            assert c.produce_many([{"queue": "full", "data": str(i)} for i in range(3)]) == [1, 2, 3]
+            items = [{"queue": "full", "data": str(i)} for i in range(3)]
+            assert c.produce_many(items) == [1, 2, 3]
             with pytest.raises(QueueFull) as info:
                 c.produce("full", "one too many")
             assert info.value.reason == "queue full: full"
@@ -290,8 +292,9 @@ def test_async_client(node):
             assert await c.consume("async") == Message(queue="async", msg_id=msg_id, data="hi")
             await c.confirm("async", msg_id)
             assert (await c.monitor("async"))["size"] == 0
-            assert await c.produce_ids("fan", "x") == {"fan_a": (await c.monitor("fan_a"))["max_id"],
-                                                       "fan_b": (await c.monitor("fan_b"))["max_id"]}
+            ids = await c.produce_ids("fan", "x")
+            assert ids == {"fan_a": (await c.monitor("fan_a"))["max_id"],
+                           "fan_b": (await c.monitor("fan_b"))["max_id"]}
             ids = await c.produce_many([{"queue": "async_bulk", "data": str(i), "retry": 60}
                                         for i in range(3000)])
             assert len(set(ids)) == 3000

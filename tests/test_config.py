@@ -122,7 +122,8 @@ def test_default():
 
 
 def test_only_node_info_gives_defaults():
-    cfg = parse_xml('<config><node_info node_id="1" host="127.0.0.1" port="4321"/></config>', "one.xml")
+    cfg = parse_xml('<config><node_info node_id="1" host="127.0.0.1" port="4321"/></config>',
+                    "one.xml")
     assert cfg == Config(source="one.xml", port=4321)
 
 
@@ -152,8 +153,9 @@ def test_attribute_values_are_trimmed_and_case_insensitive():
 
 @pytest.mark.parametrize("value,level", [
     ("0", logging.CRITICAL), ("3", logging.ERROR), ("4", logging.WARNING), ("5", logging.INFO),
-    ("6", logging.INFO), ("7", logging.DEBUG), ("debug", logging.DEBUG), (" Warning ", logging.WARNING),
-    ("warn", logging.WARNING), ("error", logging.ERROR), ("critical", logging.CRITICAL), ("info", logging.INFO),
+    ("6", logging.INFO), ("7", logging.DEBUG), ("debug", logging.DEBUG),
+    (" Warning ", logging.WARNING), ("warn", logging.WARNING), ("error", logging.ERROR),
+    ("critical", logging.CRITICAL), ("info", logging.INFO),
 ])
 def test_log_levels(value, level):
     assert log_level(value) == level
@@ -254,7 +256,8 @@ def xml_error(body: str, element: str, problem: str, file: str = "node.xml") -> 
     return assert_error(lambda: parse_xml(f"<config>{body}</config>", file), file, element, problem)
 
 
-def json_error(doc: dict | str, element: str, problem: str, file: str = "config.json") -> ConfigError:
+def json_error(doc: dict | str, element: str, problem: str,
+               file: str = "config.json") -> ConfigError:
     text = doc if isinstance(doc, str) else json.dumps(doc)
     return assert_error(lambda: parse_json(text, file), file, element, problem)
 
@@ -263,8 +266,8 @@ CLUSTER3 = ('<cluster><node id="1" port="1101"/><node id="2" port="1102"/>'
             '<node id="3" port="1103"/></cluster>')
 
 
-@pytest.mark.parametrize("text", ["", "<config>", "<config></conf>", "not xml", "<config><a></config>",
-                                  "<config/><config/>"])
+@pytest.mark.parametrize("text", ["", "<config>", "<config></conf>", "not xml",
+                                  "<config><a></config>", "<config/><config/>"])
 def test_malformed_xml(text):
     assert_error(lambda: parse_xml(text, "bad.xml"), "bad.xml", "xml", "not well-formed XML")
 
@@ -304,8 +307,10 @@ def test_non_integer_port(value):
 
 @pytest.mark.parametrize("value", ["0", "-1", "65536", "100000"])
 def test_port_out_of_range(value):
-    xml_error(f'<node_info port="{value}"/>', "node_info", f"port={int(value)} out of range 1..65535")
-    xml_error(f'<cluster><node id="1" port="{value}"/></cluster>', "cluster/node", "out of range 1..65535")
+    xml_error(f'<node_info port="{value}"/>', "node_info",
+              f"port={int(value)} out of range 1..65535")
+    xml_error(f'<cluster><node id="1" port="{value}"/></cluster>', "cluster/node",
+              "out of range 1..65535")
 
 
 def test_port_bounds_accepted():
@@ -316,7 +321,8 @@ def test_port_bounds_accepted():
 @pytest.mark.parametrize("body,element,problem", [
     ('<replication engine="paxos"/>', "replication", "engine='paxos' must be one of native|raft"),
     ('<replication mode="sync"/>', "replication", "mode='sync' must be one of quorum|async"),
-    ('<storage fsync="sometimes"/>', "storage", "fsync='sometimes' must be one of always|batch|off"),
+    ('<storage fsync="sometimes"/>', "storage",
+     "fsync='sometimes' must be one of always|batch|off"),
     ('<replication engine=""/>', "replication", "must be one of native|raft"),
 ])
 def test_bad_enum(body, element, problem):
@@ -336,13 +342,15 @@ def test_duplicate_node_id():
 
 def test_duplicate_node_address():
     xml_error('<cluster><node id="1" port="1101"/><node id="2" port="1101"/>'
-              '<node id="3" port="1103"/></cluster>', "cluster/node", "duplicate address 127.0.0.1:1101")
+              '<node id="3" port="1103"/></cluster>', "cluster/node",
+              "duplicate address 127.0.0.1:1101")
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_even_number_of_nodes(n):
     nodes = "".join(f'<node id="{i}" port="{1100 + i}"/>' for i in range(1, n + 1))
-    xml_error(f"<cluster>{nodes}</cluster>", "cluster", f"{n} nodes: a cluster needs an odd number of nodes")
+    xml_error(f"<cluster>{nodes}</cluster>", "cluster",
+              f"{n} nodes: a cluster needs an odd number of nodes")
 
 
 def test_node_id_not_in_cluster():
@@ -366,7 +374,8 @@ def test_missing_required_node_attributes():
 def test_empty_virtual_queue():
     xml_error('<virtual_queue name="v"></virtual_queue>', "virtual_queue",
               "virtual queue 'v' has no <queue> members")
-    xml_error('<virtual_queue name="v"><!-- none --></virtual_queue>', "virtual_queue", "has no <queue> members")
+    xml_error('<virtual_queue name="v"><!-- none --></virtual_queue>', "virtual_queue",
+              "has no <queue> members")
 
 
 def test_virtual_queue_listing_a_virtual_queue():
@@ -381,12 +390,15 @@ def test_virtual_queue_listing_itself():
 
 
 def test_virtual_queue_name_problems():
-    xml_error('<virtual_queue><queue name="a"/></virtual_queue>', "virtual_queue", "missing attribute 'name'")
+    xml_error('<virtual_queue><queue name="a"/></virtual_queue>', "virtual_queue",
+              "missing attribute 'name'")
     xml_error('<virtual_queue name=""><queue name="a"/></virtual_queue>', "virtual_queue",
               "queue name must not be empty")
     xml_error('<virtual_queue name="v"><queue name=""/></virtual_queue>', "virtual_queue/queue",
               "queue name must not be empty")
-    xml_error(f'<virtual_queue name="{"v" * 256}"><queue name="a"/></virtual_queue>', "virtual_queue",
+    long_name = "v" * 256
+    xml_error(f'<virtual_queue name="{long_name}"><queue name="a"/></virtual_queue>',
+              "virtual_queue",
               "queue name longer than 255 characters")
     xml_error('<virtual_queue name="v"><queue name="a"/></virtual_queue>'
               '<virtual_queue name="v"><queue name="b"/></virtual_queue>', "virtual_queue",
@@ -396,10 +408,12 @@ def test_virtual_queue_name_problems():
 
 
 def test_empty_secret():
-    xml_error('<cluster secret=""><node id="1" port="1101"/></cluster>', "cluster", "secret must not be empty")
+    xml_error('<cluster secret=""><node id="1" port="1101"/></cluster>', "cluster",
+              "secret must not be empty")
 
 
-@pytest.mark.parametrize("tag", ["log", "node_info", "queue_config", "replication", "storage", "limits", "cluster"])
+@pytest.mark.parametrize("tag", ["log", "node_info", "queue_config", "replication", "storage",
+                                 "limits", "cluster"])
 def test_section_given_twice(tag):
     xml_error(f"<{tag}/><{tag}/>", tag, "given twice")
 
@@ -413,7 +427,8 @@ def test_section_given_twice(tag):
     ('<queue_config sync_rate="fast"/>', "queue_config", "sync_rate='fast' is not an integer"),
     ('<storage dir=" "/>', "storage", "dir must not be empty"),
     ('<limits max_request_size="10"/>', "limits", "max_request_size=10 out of range"),
-    ('<limits max_request_size="1000000000"/>', "limits", "max_request_size=1000000000 out of range"),
+    ('<limits max_request_size="1000000000"/>', "limits",
+     "max_request_size=1000000000 out of range"),
 ])
 def test_other_bad_values(body, element, problem):
     xml_error(body, element, problem)
@@ -474,8 +489,8 @@ def test_json_errors():
     json_error({"secret": ""}, "cluster", "secret must not be empty")
     json_error({"cluster_node_list": {}}, "cluster_node_list", "must be a list")
     json_error({"cluster_node_list": [1]}, "cluster_node_list", "each node must be an object")
-    json_error({"cluster_node_list": [{"node_id": 1, "port": 1101, "weight": 1}]}, "cluster_node_list",
-               "unknown attribute 'weight'")
+    json_error({"cluster_node_list": [{"node_id": 1, "port": 1101, "weight": 1}]},
+               "cluster_node_list", "unknown attribute 'weight'")
     json_error({"cluster_node_list": [{"node_id": 1, "port": 1101}, {"node_id": 1, "port": 1102},
                                       {"node_id": 3, "port": 1103}]},
                "cluster_node_list", "duplicate node id 1")
@@ -488,7 +503,8 @@ def test_json_errors():
                "each entry must be {name, queue_list: [...]}")
     json_error({"virtual_queue_list": [{"name": "v", "queue_list": []}]}, "virtual_queue_list",
                "virtual queue 'v' has no <queue> members")
-    json_error({"virtual_queue_list": [{"name": "v"}]}, "virtual_queue_list", "has no <queue> members")
+    json_error({"virtual_queue_list": [{"name": "v"}]}, "virtual_queue_list",
+               "has no <queue> members")
     json_error({"virtual_queue_list": [{"name": "v", "queue_list": ["a"]},
                                        {"name": "w", "queue_list": ["v"]}]},
                "virtual_queue", "virtual queue 'w' lists virtual queue 'v'")

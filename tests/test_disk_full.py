@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 
 from procs import Cluster, NodeProcess, TcpClient, free_port, wait_until
 from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
-from qserver.storage import DiskStorage, StorageError, record_size_bound
-from qserver.storage import disk
+from qserver.storage import DiskStorage, StorageError, disk, record_size_bound
 from qserver.storage.format import encode_record
 
 # -- storage, with a simulated full disk ---------------------------------------

@@ -3,7 +3,6 @@ what comes from a peer or a disk (anything malformed is a ValueError)."""
 
 from __future__ import annotations
 
-
 import msgpack
 import pytest
 from hypothesis import given

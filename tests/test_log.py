@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.errors import InvariantError
+from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
 from qserver.state.log import Log
 
 

@@ -1,12 +1,11 @@
 """Node-to-node messages: every message survives its wire form, and what a
-peer sends is validated where it enters (replication.messages)."""
+peer sends is validated where it enters (engines.messages)."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from qserver.state.entries import Produce, Record
 from qserver.engines.messages import (
     MAX_JSON_DEPTH,
     Forward,
@@ -24,6 +23,7 @@ from qserver.engines.messages import (
     message_from_wire,
     message_to_wire,
 )
+from qserver.state.entries import Produce, Record
 
 RECORD = Record(trans_id=5, vote_id=2, entry=Produce(
     targets=(("q", 1),), data="x", ready_ms=1, ttl_ms=2, retry_ms=0))

@@ -265,7 +265,8 @@ MALFORMED_MESSAGES = [
     [5, 1, 3, 0, 0, [[1, 1, [1, [["q", 0]], "d", 0, 0, 0]]], 0, 0],  # msg_id 0
     [5, 1, 3, 0, 0, [[2, 1, [0]]], 0, 0],  # records not consecutive after prev
     [5, 1, 3, 0, 0, [[1, 1, [42]]], 0, 0],  # unknown entry kind
-    [5, 1.5, 3, 0, 0, [], 0, 0], [5, True, 3, 0, 0, [], 0, 0], [5, 2**64 - 1, 3, 0, 0, [], 0, 0, "x"],
+    [5, 1.5, 3, 0, 0, [], 0, 0], [5, True, 3, 0, 0, [], 0, 0],
+    [5, 2**64 - 1, 3, 0, 0, [], 0, 0, "x"],
     [2, 1, 1, 0, 0, 0],  # a ping in node 1's name
     [3, 1, 3, 0, 0, "yes"], [8, 1, 3, 1, ["not", "a", "map"]], [9, 1, 3, 1, None],
     [11, 1, 3, 1, 1, 0, "not bytes", True], [10, 1, 3, 1, 1, "state"],
@@ -300,7 +301,7 @@ def test_an_authenticated_peer_sending_garbage_is_dropped_and_the_node_serves_on
                 pass
             peer.close()
         for i in (1, 2):
-            r = wait_until(lambda: (r := c.ask(i, action=1, queue="q", data="after"))
+            r = wait_until(lambda i=i: (r := c.ask(i, action=1, queue="q", data="after"))
                            and r.get("code") == 0 and r)
             assert c.nodes[i].proc.poll() is None
         assert c.ask(master, action=104, queue="q")["size"] == 4

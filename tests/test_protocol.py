@@ -57,7 +57,8 @@ def bytewise(data: bytes, max_size: int = DEFAULT_MAX_REQUEST_SIZE) -> list:
     return norm(feed_chunks([data[i:i + 1] for i in range(len(data))], max_size)[0])
 
 
-def assert_three_ways(data: bytes, expected: list, max_size: int = DEFAULT_MAX_REQUEST_SIZE) -> None:
+def assert_three_ways(data: bytes, expected: list,
+                      max_size: int = DEFAULT_MAX_REQUEST_SIZE) -> None:
     """`data` gives `expected` whole, byte by byte, and with trailing data;
     and when the stream is still usable the trailing request completes."""
     expected = norm(expected)
@@ -78,7 +79,8 @@ def assert_three_ways(data: bytes, expected: list, max_size: int = DEFAULT_MAX_R
 # -- values ------------------------------------------------------------------
 
 VALID_CASES = {
-    "single object": (b'{"action": 1, "queue": "q", "data": "x"}', [{"action": 1, "queue": "q", "data": "x"}]),
+    "single object": (b'{"action": 1, "queue": "q", "data": "x"}',
+                      [{"action": 1, "queue": "q", "data": "x"}]),
     "compact object": (b'{"a":1}', [{"a": 1}]),
     "empty object": (b"{}", [{}]),
     "newline terminated": (b'{"a":1}\n', [{"a": 1}]),
@@ -87,7 +89,8 @@ VALID_CASES = {
     "newlines between": (b'{"a":1}\n{"b":2}\n{"c":3}\n', [{"a": 1}, {"b": 2}, {"c": 3}]),
     "crlf and blank lines": (b'\r\n{"a":1}\r\n\r\n{"b":2}\r\n', [{"a": 1}, {"b": 2}]),
     "leading whitespace": (b'   \n\t{"a":1}', [{"a": 1}]),
-    "mixed separators": (b'{"a":1}{"b":2}\n{"c":3} {"d":4}\n', [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]),
+    "mixed separators": (b'{"a":1}{"b":2}\n{"c":3} {"d":4}\n',
+                         [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]),
     "nested": (b'{"a":{"b":{"c":[1,[2,{"d":[]}]]}},"e":[{}]}',
                [{"a": {"b": {"c": [1, [2, {"d": []}]]}}, "e": [{}]}]),
     "string with braces": (b'{"data":"}}{{]]["}{"b":"{"}', [{"data": "}}{{]]["}, {"b": "{"}]),
@@ -95,8 +98,10 @@ VALID_CASES = {
     "escaped backslash before quote": (b'{"data":"c:\\\\"}{"x":"\\\\\\""}',
                                        [{"data": "c:\\"}, {"x": '\\"'}]),
     "unicode escapes": (b'{"data":"\\u00e9\\ud83d\\ude00"}', [{"data": "\u00e9\U0001F600"}]),
-    "raw utf-8": ('{"data":"h\u00e9llo \u4e16\u754c \U0001F600"}'.encode(), [{"data": "h\u00e9llo \u4e16\u754c \U0001F600"}]),
-    "pretty printed": (json.dumps({"action": 1, "queue": "q", "nested": {"a": [1, 2]}}, indent=4).encode()
+    "raw utf-8": ('{"data":"h\u00e9llo \u4e16\u754c \U0001F600"}'.encode(),
+                  [{"data": "h\u00e9llo \u4e16\u754c \U0001F600"}]),
+    "pretty printed": (json.dumps({"action": 1, "queue": "q", "nested": {"a": [1, 2]}},
+                                  indent=4).encode()
                        + b"\n" + json.dumps({"b": "}"}, indent=2).encode(),
                        [{"action": 1, "queue": "q", "nested": {"a": [1, 2]}}, {"b": "}"}]),
     "top-level array": (b'[1, {"a": "]"}, [2]]', [[1, {"a": "]"}, [2]]]),
@@ -165,19 +170,23 @@ def test_whitespace_only_returns_nothing():
 ERROR_CASES = {
     "brace-balanced garbage": (b'{abc}{"a":1}', [BadRequest("invalid json"), {"a": 1}]),
     "invalid then newline": (b'{"a":}\n{"b":2}\n', [BadRequest("invalid json"), {"b": 2}]),
-    "trailing comma": (b'{"a":1,}[1,]{"c":3}', [BadRequest("invalid json"), BadRequest("invalid json"), {"c": 3}]),
+    "trailing comma": (b'{"a":1,}[1,]{"c":3}',
+                       [BadRequest("invalid json"), BadRequest("invalid json"), {"c": 3}]),
     "mismatched brackets": (b'{"a":[1}]{"c":3}', [BadRequest("invalid json"), {"c": 3}]),
-    "invalid utf-8 inside a string": (b'{"a":"\xff\xfe"}{"c":3}', [BadRequest("invalid json"), {"c": 3}]),
+    "invalid utf-8 inside a string": (b'{"a":"\xff\xfe"}{"c":3}',
+                                      [BadRequest("invalid json"), {"c": 3}]),
     "raw newline in a string": (b'{"a":"x\ny"}\n{"c":3}\n', [BadRequest("invalid json"), {"c": 3}]),
     "word at top level": (b"hello", [ProtocolError("invalid json")]),
     "number at top level": (b"123", [ProtocolError("invalid json")]),
     "number line then object": (b'123\n{"a":1}\n', [ProtocolError("invalid json")]),
     "string line then object": (b'"x"\n{"a":1}\n', [ProtocolError("invalid json")]),
     "true line then object": (b'true\n{"a":1}\n', [ProtocolError("invalid json")]),
-    "object then number line": (b'{"a":1}\n5\n{"b":2}\n', [{"a": 1}, ProtocolError("invalid json")]),
+    "object then number line": (b'{"a":1}\n5\n{"b":2}\n',
+                                [{"a": 1}, ProtocolError("invalid json")]),
     "closing brace at top level": (b'}{"a":1}', [ProtocolError("invalid json")]),
     "object then garbage": (b'{"a":1} x {"b":2}', [{"a": 1}, ProtocolError("invalid json")]),
-    "garbage after newline objects": (b'{"a":1}\n{"b":2}\nGET / HTTP/1.1\r\n', [{"a": 1}, {"b": 2}, ProtocolError("invalid json")]),
+    "garbage after newline objects": (b'{"a":1}\n{"b":2}\nGET / HTTP/1.1\r\n',
+                                      [{"a": 1}, {"b": 2}, ProtocolError("invalid json")]),
     "byte order mark": (b'\xef\xbb\xbf{"a":1}', [ProtocolError("invalid json")]),
     "nul between requests": (b'{"a":1}\x00{"b":2}', [{"a": 1}, ProtocolError("invalid json")]),
 }
@@ -343,7 +352,8 @@ json_scalars = st.one_of(
 )
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (st.lists(children, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), children, max_size=4)),
     max_leaves=12,
 )
 json_objects = st.dictionaries(st.text(max_size=10), json_values, max_size=5)
@@ -403,7 +413,8 @@ def test_encode_response_is_one_line_of_json():
     assert orjson.loads(wire) == resp
     # a stream of responses decodes back with the same framer
     d = StreamDecoder()
-    assert d.feed(wire + encode_response({"code": -1, "reason": "x"})) == [resp, {"code": -1, "reason": "x"}]
+    error = {"code": -1, "reason": "x"}
+    assert d.feed(wire + encode_response(error)) == [resp, error]
 
 
 def test_error_response_echoes_request_without_data():

@@ -1,6 +1,6 @@
 """The raft engine's pieces without processes: the epoch/seq rule and the
-master's speculation (replication.raft), and what pysyncobj's journal does
-and does not make durable (raft_engine.DurableJournal)."""
+master's speculation (engines.raft.machine), and what pysyncobj's journal does
+and does not make durable (engines.raft.driver.DurableJournal)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from pysyncobj.journal import FileJournal
 
 from qserver.config import Config, PeerConfig
-from qserver.state.entries import Confirm, Consume
 from qserver.engines.raft.driver import DurableJournal, raft_password
 from qserver.engines.raft.machine import OUTCOME_UNKNOWN, RaftMachine
+from qserver.state.entries import Confirm, Consume
 from qserver.state.store import Store
 
 

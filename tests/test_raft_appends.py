@@ -26,16 +26,16 @@ import os
 import random
 import time
 
-import pytest
 import pysyncobj.pickle as pso_pickle
 import pysyncobj.syncobj as pso
+import pytest
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.journal import MemoryJournal
 from pysyncobj.transport import Transport
 
-from qserver.errors import InvariantError
 from qserver.engines.raft.appends import RaftAppends
 from qserver.engines.raft.driver import _RAFT_TIMING
+from qserver.errors import InvariantError
 
 ADDRS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
 LEADER = 2  # _FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2 (pysyncobj's _RAFT_STATE)
@@ -61,7 +61,8 @@ class World:
         self.clock = Clock()
         self.rng = rng
         self.transports: dict[str, SimTransport] = {}
-        self.queues: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)
+        self.queues: dict[tuple[str, str], collections.deque] = collections.defaultdict(
+            collections.deque)
         self.up: set[frozenset] = set()
         self.paused: set[str] = set()  # not ticking; what is sent to them waits
         self.dropping: set[str] = set()  # cut off: what they send or are sent is lost
@@ -449,16 +450,19 @@ class Run:
             for i in range(max(first, commit - 50), commit + 1):  # the newly committed, mostly
                 e = log[i - first]
                 mine = (e[2], bytes(e[0]))
-                assert self.committed.setdefault(i, mine) == mine, f"{a}: committed entry {i} differs"
-            assert s.applied == self.canon[:len(s.applied)] or self.canon == s.applied[:len(self.canon)], \
-                f"{a} applied another sequence"
+                assert self.committed.setdefault(i, mine) == mine, \
+                    f"{a}: committed entry {i} differs"
+            assert (s.applied == self.canon[:len(s.applied)]
+                    or self.canon == s.applied[:len(self.canon)]), f"{a} applied another sequence"
             if len(s.applied) > len(self.canon):
                 self.canon = list(s.applied)
-            if s._SyncObj__raftState == LEADER and (a, s.raftCurrentTerm) not in self.leaders_checked:
+            if (s._SyncObj__raftState == LEADER
+                    and (a, s.raftCurrentTerm) not in self.leaders_checked):
                 self.leaders_checked.add((a, s.raftCurrentTerm))
                 held = {e[1]: (e[2], bytes(e[0])) for e in log[0:len(log)]}
                 lacking = [i for i, v in self.committed.items() if i >= first and held.get(i) != v]
-                assert not lacking, f"{a} leads term {s.raftCurrentTerm} without committed {lacking[:5]}"
+                assert not lacking, \
+                    f"{a} leads term {s.raftCurrentTerm} without committed {lacking[:5]}"
         assert not w.violations, w.violations[:3]
 
     # faults

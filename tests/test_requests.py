@@ -63,12 +63,14 @@ def test_consume():
 
 
 def test_confirm():
-    assert parse_request({"action": 3, "queue": "q", "msg_id": 7}) == ConfirmRequest(queue="q", msg_id=7)
+    assert (parse_request({"action": 3, "queue": "q", "msg_id": 7})
+            == ConfirmRequest(queue="q", msg_id=7))
 
 
 @pytest.mark.parametrize("raw,value", [("7", 7), ("0012", 12), ("123456789", 123456789)])
 def test_confirm_numeric_string_msg_id(raw, value):
-    assert parse_request({"action": 3, "queue": "q", "msg_id": raw}) == ConfirmRequest(queue="q", msg_id=value)
+    assert (parse_request({"action": 3, "queue": "q", "msg_id": raw})
+            == ConfirmRequest(queue="q", msg_id=value))
 
 
 def test_monitor():

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qserver.state.entries import Record
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
-from qserver.storage import DiskStorage, store_wire_iter, write_snapshot_file
 from qserver.state.store import Store
+from qserver.storage import DiskStorage, store_wire_iter, write_snapshot_file
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 START_MS = 1_700_000_000_000
 QUEUES = ("a", "b", "c")

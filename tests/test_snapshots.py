@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from procs import Cluster, NodeProcess, TcpClient, wait_until
-
 from test_snapshot_replay import recovered
 
 DATA = "x" * 1000  # 1 kB messages: a few thousand make a multi-chunk snapshot

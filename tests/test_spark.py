@@ -26,11 +26,11 @@ pytest.importorskip("pyarrow", reason="pyarrow is not installed (the project's '
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("java is not installed: Spark needs a JVM", allow_module_level=True)
 
-import pyarrow as pa  # noqa: E402
-from pyspark.errors import PySparkException  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
-from pyspark.sql import functions as F  # noqa: E402
-from pyspark.sql.types import (  # noqa: E402
+import pyarrow as pa
+from pyspark.errors import PySparkException
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
     DoubleType,
     LongType,
     StringType,
@@ -40,12 +40,12 @@ from pyspark.sql.types import (  # noqa: E402
     TimestampType,
 )
 
-import qserver_spark  # noqa: E402
-from procs import Cluster, TcpClient  # noqa: E402
-from qserver.client import Client  # noqa: E402
-from qserver_spark import OptionError, RowError, parse_options, summarize  # noqa: E402
-from qserver_spark.datasource import QServerCommitMessage  # noqa: E402
-from qserver_spark.rows import batch_items  # noqa: E402
+import qserver_spark
+from procs import Cluster, TcpClient
+from qserver.client import Client
+from qserver_spark import OptionError, RowError, parse_options, summarize
+from qserver_spark.datasource import QServerCommitMessage
+from qserver_spark.rows import batch_items
 
 DEADLINE_S = 60.0  # generous: CI is a shared, noisy 2-core machine
 
@@ -162,8 +162,8 @@ def test_batch_write_of_10000_rows_over_two_queues(spark, cluster, hosts):
 
 def test_row_as_json_with_per_row_delay_ttl_and_retry_columns(spark, cluster, hosts):
     now = time.time()
-    past = dt.datetime.fromtimestamp(now - 60, dt.timezone.utc)
-    future = dt.datetime.fromtimestamp(now + 3600, dt.timezone.utc)
+    past = dt.datetime.fromtimestamp(now - 60, dt.UTC)
+    future = dt.datetime.fromtimestamp(now + 3600, dt.UTC)
     schema = StructType([
         StructField("order_id", LongType()), StructField("user", StringType()),
         StructField("amount", StringType()), StructField("close_at", TimestampType()),
@@ -319,7 +319,7 @@ def test_bad_options(options, message):
 
 def test_rows_become_produce_items():
     opts = parse(delayColumn="at", ttl="3600", retryColumn="n")
-    at = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
+    at = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
     batch = pa.record_batch({
         "data": ["a", "b"], "queue": ["q1", "q2"],
         "at": pa.array([at, None], pa.timestamp("us", tz="UTC")),
@@ -339,7 +339,7 @@ def test_row_json_encodes_spark_types():
         opts, json_columns=("id", "amount", "at", "day", "raw", "tags", "pos"))
     batch = pa.record_batch({
         "id": [1], "amount": pa.array([decimal.Decimal("12.50")], pa.decimal128(10, 2)),
-        "at": pa.array([dt.datetime(2030, 1, 1, 8, 0, tzinfo=dt.timezone.utc)],
+        "at": pa.array([dt.datetime(2030, 1, 1, 8, 0, tzinfo=dt.UTC)],
                        pa.timestamp("us", tz="UTC")),
         "day": pa.array([dt.date(2030, 1, 2)]), "raw": pa.array([b"\x00\xff"]),
         "tags": pa.array([[("k", 1)]], pa.map_(pa.string(), pa.int64())),

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from qserver.state.entries import Consume, Noop, Produce, Record
 from qserver.errors import InvariantError, QServerError
+from qserver.state.entries import Consume, Noop, Produce, Record
 from qserver.storage import DiskStorage, StorageError
 from qserver.storage import format as fmt
 from qserver.storage.disk import PREALLOCATE_BYTES

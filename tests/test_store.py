@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from qserver.state.entries import Confirm, Consume, Noop, Produce
 from qserver.errors import InvariantError
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.state.entries import Confirm, Consume, Noop, Produce
 from qserver.state.store import DEFAULT_TTL_MS, Store
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 # An arbitrary wall-clock instant (ms) that is not a whole second, so that
 # absolute times sent in seconds fall before "now".
@@ -331,7 +331,7 @@ def test_default_ttl_bounds_retries(d):
     d.produce(NOW, retry=1000)
     t = NOW
     deliveries = 0
-    while (got := d.consume(t)) is not None:
+    while d.consume(t) is not None:
         deliveries += 1
         t += 1000 * 1000
     # Consumes at NOW, +1000 s, +2000 s keep it; the one at +3000 s is the

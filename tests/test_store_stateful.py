@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from qserver.state.entries import Confirm, Consume, Produce
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from qserver.state.store import RETRY_AT_MS, Store
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 QUEUE_SIZE = 5
 REAL = ("alpha", "beta", "gamma")

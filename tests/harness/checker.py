@@ -108,7 +108,8 @@ def _during(faults: list[Fault], t: float) -> str:
 
 
 def _deliveries(ops: list[Op]) -> list[Op]:
-    return [o for o in ops if o.kind == "consume" and o.outcome is Outcome.OK and o.msg_id is not None]
+    return [o for o in ops
+            if o.kind == "consume" and o.outcome is Outcome.OK and o.msg_id is not None]
 
 
 def _availability(ops: list[Op], faults: list[Fault], end: float) -> tuple[Availability, ...]:
@@ -215,7 +216,8 @@ def check(ops: list[Op], faults: list[Fault], states: list[NodeState], *, engine
     for key, got in sorted(by_msg.items()):
         datas = {d.data for d in got}
         if len(datas) > 1:
-            violations["id_conflict"].append(f"{key}: delivered with different data {sorted(datas)}")
+            violations["id_conflict"].append(
+                f"{key}: delivered with different data {sorted(datas)}")
         for d in got:
             if d.data not in sent_data:
                 violations["phantom"].append(f"{key}: delivered {d.data!r} (node {d.node}, "
@@ -268,8 +270,8 @@ def check(ops: list[Op], faults: list[Fault], states: list[NodeState], *, engine
 
 
 def format_report(r: Report, examples: int = 5) -> str:
-    lines = [f"fault harness: engine {r.engine}, fsync {r.fsync}, seed {r.seed}, "
-             f"{r.duration_s:.0f} s of faults"]
+    lines = [(f"fault harness: engine {r.engine}, fsync {r.fsync}, seed {r.seed}, "
+              f"{r.duration_s:.0f} s of faults")]
     lines.append("operations (attempts by outcome):")
     for kind, by in r.ops.items():
         total = sum(by.values())
@@ -294,6 +296,6 @@ def format_report(r: Report, examples: int = 5) -> str:
         lines.append(f"  {a.kind:16s} {a.count:5d} {a.max_gap_s:7.2f} {a.median_gap_s:9.2f}")
     for n in r.notes:
         lines.append(f"note: {n}")
-    lines.append("RESULT: " + ("no violations" if r.ok else
-                                "VIOLATIONS: " + ", ".join(f"{k} {v}" for k, v in r.counts().items() if v)))
+    found = ", ".join(f"{k} {v}" for k, v in r.counts().items() if v)
+    lines.append("RESULT: " + ("no violations" if r.ok else "VIOLATIONS: " + found))
     return "\n".join(lines)

@@ -69,7 +69,8 @@ class Nemesis:
                  duration_s: float, now, log=print) -> None:
         unknown = set(kinds) - set(FAULT_KINDS)
         if unknown or not kinds:
-            raise ValueError(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(FAULT_KINDS)})")
+            raise ValueError(f"unknown fault kinds {sorted(unknown)} "
+                             f"(known: {', '.join(FAULT_KINDS)})")
         self.cluster = cluster
         self.rng = random.Random(seed)
         self.kinds = tuple(kinds)

@@ -47,7 +47,9 @@ from .proxy import DROP, PASS, ProxyProcess
 
 __all__ = ["FaultCluster", "NodePorts", "RAFT_PORT_OFFSET"]
 
-RAFT_PORT_OFFSET = 1000  # qserver.engines.raft.driver.RAFT_PORT_OFFSET (the tree under test may differ from ours)
+# qserver.engines.raft.driver.RAFT_PORT_OFFSET, copied: the tree under test
+# may differ from ours.
+RAFT_PORT_OFFSET = 1000
 
 # Generous: a cold Python start on a loaded 2-core machine can take seconds,
 # and a node replaying a log after kill -9 takes longer.
@@ -112,7 +114,8 @@ def pick_ports(n: int, rng: random.Random | None = None) -> list[NodePorts]:
 class _Node:
     """One node's process, its files and its restarts."""
 
-    def __init__(self, node_id: int, config: Path, out: Path, err: Path, env: dict, cwd: Path) -> None:
+    def __init__(self, node_id: int, config: Path, out: Path, err: Path, env: dict,
+                 cwd: Path) -> None:
         self.node_id = node_id
         self.config, self.out, self.err, self.env, self.cwd = config, out, err, env, cwd
         self.proc: subprocess.Popen | None = None
@@ -144,7 +147,8 @@ class _Node:
                 raise TimeoutError(f"node {self.node_id} not ready within {deadline_s} s")
             tail = self.err.read_bytes()[-2000:].decode(errors="replace")
             if "cannot listen" not in tail or attempt == 2:
-                raise RuntimeError(f"node {self.node_id} exited with {self.proc.returncode}: {tail}")
+                raise RuntimeError(
+                    f"node {self.node_id} exited with {self.proc.returncode}: {tail}")
             time.sleep(1.0)  # a port in TIME_WAIT or briefly taken: try again
 
     def alive(self) -> bool:
@@ -269,7 +273,7 @@ class FaultCluster:
         if self.proxy is not None:
             self.proxy.close()
 
-    def __enter__(self) -> "FaultCluster":
+    def __enter__(self) -> FaultCluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -337,7 +341,8 @@ class FaultCluster:
     def ask(self, i: int, timeout_s: float = ASK_TIMEOUT_S, **fields) -> dict | None:
         """One request to node i over a fresh connection; None if no answer."""
         try:
-            with socket.create_connection(("127.0.0.1", self.ports[i].client), timeout=timeout_s) as s:
+            with socket.create_connection(("127.0.0.1", self.ports[i].client),
+                                          timeout=timeout_s) as s:
                 s.settimeout(timeout_s)
                 s.sendall(json.dumps(fields).encode())
                 buf = b""

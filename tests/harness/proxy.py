@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["ProxyProcess", "PASS", "DROP"]
 
@@ -84,7 +85,7 @@ def _rst(writer: asyncio.StreamWriter | None) -> None:
 class _Conn:
     """One proxied connection: the dialer's side and the upstream side."""
 
-    def __init__(self, link: "_Link", cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+    def __init__(self, link: _Link, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         self.link = link
         self.cr, self.cw = cr, cw
         self.uw: asyncio.StreamWriter | None = None  # None: not connected on (held, or connecting)
@@ -118,7 +119,7 @@ class _Conn:
                 t.cancel()
 
     async def pump(self, direction: str, reader: asyncio.StreamReader,
-                   writer_of: "callable") -> None:
+                   writer_of: Callable[[], asyncio.StreamWriter | None]) -> None:
         link = self.link
         try:
             while True:
@@ -179,7 +180,7 @@ class _Link:
         try:
             ur, uw = await asyncio.wait_for(asyncio.open_connection(*self.target),
                                             UPSTREAM_CONNECT_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             conn.reset()  # as the node itself would: refused
             return
         except asyncio.CancelledError:
@@ -226,8 +227,8 @@ class _ProxyServer:
                     conn.reset()
             return {"ok": True}
         if op == "stats":
-            return {"ok": True, "stats": {n: dict(l.stats, conns=len(l.conns))
-                                          for n, l in self.links.items()}}
+            return {"ok": True, "stats": {n: dict(link.stats, conns=len(link.conns))
+                                          for n, link in self.links.items()}}
         if op == "quit":
             return {"ok": True, "quit": True}
         return {"ok": False, "error": f"unknown op {op!r}"}

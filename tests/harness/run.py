@@ -64,8 +64,8 @@ def _save(path: Path, ops: list, faults: list, states: list) -> None:
     with open(path, "w") as f:
         for rec in (*faults, *states, *ops):
             row = {"type": type(rec).__name__}
-            row.update({k: (v.value if isinstance(v, enum.Enum) else v)
-                        for k, v in ((fl.name, getattr(rec, fl.name)) for fl in dataclasses.fields(rec))})
+            fields = ((fl.name, getattr(rec, fl.name)) for fl in dataclasses.fields(rec))
+            row.update({k: (v.value if isinstance(v, enum.Enum) else v) for k, v in fields})
             f.write(json.dumps(row) + "\n")
 
 

@@ -170,12 +170,14 @@ class NodeClient:
         if entry:
             entry[0].close()
 
-    def request(self, node: int, obj: dict, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[dict | None, bool]:
+    def request(self, node: int, obj: dict,
+                timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[dict | None, bool]:
         """(answer or None, whether the request was sent)."""
         entry = self.socks.get(node)
         if entry is None:
             try:
-                s = socket.create_connection(("127.0.0.1", self.ports[node]), timeout=CONNECT_TIMEOUT_S)
+                s = socket.create_connection(("127.0.0.1", self.ports[node]),
+                                             timeout=CONNECT_TIMEOUT_S)
             except OSError:
                 return None, False
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -188,7 +190,7 @@ class NodeClient:
             while b"\n" not in buf:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise socket.timeout()
+                    raise TimeoutError()
                 s.settimeout(left)
                 chunk = s.recv(65536)
                 if not chunk:
@@ -258,7 +260,8 @@ class _Actor:
             self.lost_node()
         return op
 
-    def confirm(self, queue: str, msg_id: int, stop: threading.Event | None, node: int | None) -> Op:
+    def confirm(self, queue: str, msg_id: int, stop: threading.Event | None,
+                node: int | None) -> Op:
         return self.with_retries("confirm", queue, {"action": 3, "queue": queue, "msg_id": msg_id},
                                  stop, node=node, msg_id=msg_id)
 
@@ -344,7 +347,8 @@ class Worker(_Actor):
         if op.outcome is not Outcome.OK or op.msg_id is None:
             return
         if (retry_of(op.data or "") or 0) > 0 and self.rng.random() < CONFIRM_SHARE:
-            self.confirmer.hold(time.monotonic() + self.rng.uniform(*THINK_S), queue, op.msg_id, node)
+            self.confirmer.hold(time.monotonic() + self.rng.uniform(*THINK_S), queue, op.msg_id,
+                                node)
 
 
 class Confirmer(_Actor):
