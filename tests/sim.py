@@ -147,7 +147,7 @@ def message_data(msg) -> str:
 
 @dataclass(slots=True)
 class _Stream:
-    """A snapshot file being streamed to a slave (snapshot_transfer._Outgoing),
+    """A snapshot file being streamed to a slave (snapshots._Outgoing),
     counted in chunks."""
 
     trans_id: int
@@ -508,9 +508,10 @@ class Network:
         self._maybe_write(node)
 
     def _persist(self, node: SimNode, ready) -> None:
-        """ClusterEngine._persist: the vote, a snapshot installed from the
-        master, the log change; then fsync now, or leave it to a sync off
-        the loop (a deferring master), as the Ready's own_sync says."""
+        """ClusterEngine._persist, then Durability.after_write (fsync=always):
+        the vote, a snapshot installed from the master, the log change; then
+        fsync now, or leave it to a sync off the loop (a deferring master),
+        as the Ready's own_sync says."""
         core = node.core
         if ready.vote is not None:
             node.disk_vote = ready.vote
