@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import random
 
-from qserver.state.log import Log
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
 from qserver.engines.native.core import NativeCore, OwnSync
-from qserver.wire.requests import ProduceRequest
+from qserver.state.log import Log
 from qserver.state.store import Store
+from qserver.wire.requests import ProduceRequest
 
 NOW = 1_700_000_000_000
 

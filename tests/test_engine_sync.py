@@ -14,13 +14,13 @@ import time
 import pytest
 
 from procs import free_port
+from qserver.config import parse_xml
 from qserver.engines.native import durability
 from qserver.engines.native.driver import ClusterEngine
-from qserver.config import parse_xml
 from qserver.state.log import Log
-from qserver.wire.requests import ProduceRequest
-from qserver.storage import DiskStorage, StorageError
 from qserver.state.store import Store
+from qserver.storage import DiskStorage, StorageError
+from qserver.wire.requests import ProduceRequest
 
 DEADLINE_S = 20.0
 
@@ -75,7 +75,8 @@ class Lone:
 
     def __init__(self, tmp_path, monkeypatch, mode: str = "quorum") -> None:
         self.fake = FakeKernelSync()
-        monkeypatch.setattr(durability.KernelSync, "create", staticmethod(lambda *a, **k: self.fake))
+        monkeypatch.setattr(durability.KernelSync, "create",
+                            staticmethod(lambda *a, **k: self.fake))
         # A lone node syncs each write at once, never by the batch timer:
         # with the timer out of reach, a sync the tests wait for proves it.
         monkeypatch.setattr(durability, "BATCH_SYNC_MS", 600_000)

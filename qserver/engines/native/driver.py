@@ -47,9 +47,10 @@ from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
 from ...state.entries import Entry
 from ...state.log import Log
+from ...state.store import SnapshotLoader, Store
+from ...storage import DiskStorage, StorageError, record_size_bound
 from ..base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond
 from ..forwarding import Forwarder
-from ..peers import PeerNetwork
 from ..messages import (
     Forward,
     ForwardReply,
@@ -60,11 +61,10 @@ from ..messages import (
     message_from_peer,
     message_to_wire,
 )
+from ..peers import PeerNetwork
 from .core import NativeCore, Timing
 from .durability import Durability
 from .snapshots import SnapshotFiles
-from ...storage import DiskStorage, StorageError, record_size_bound
-from ...state.store import SnapshotLoader, Store
 
 __all__ = ["ClusterEngine", "DEFAULT_TIMING"]
 
