@@ -340,8 +340,9 @@ class ClusterEngine:
 
     def _persist(self, storage: DiskStorage, ready) -> None:
         """Vote, snapshot, truncation, records: on disk before anything of
-        this turn is sent or answered. A StorageError propagates: the node
-        must stop and recover from disk."""
+        this turn is sent or answered, then fsynced as `durability` decides
+        (the policy and `ready.own_sync`). A StorageError propagates: the
+        node must stop and recover from disk."""
         if ready.vote is not None:
             storage.save_vote(*ready.vote)
         if ready.snapshot is not None:
