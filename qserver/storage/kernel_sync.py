@@ -10,10 +10,10 @@ with `sys.setswitchinterval`. Here the loop's thread submits the sync and
 later reads its result; no other Python thread is involved, and the kernel
 does the sync in its own worker.
 
-Only the adapter (qserver.engines.native.driver) uses this; `KernelSync.create()` returns
-None where it is not available (not Linux on x86_64 or aarch64, a kernel
-without AIO, a seccomp filter that refuses io_setup), and the adapter then
-falls back to a worker thread.
+Only the native engine's fsync scheduling (qserver.engines.native.durability)
+uses this; `KernelSync.create()` returns None where it is not available (not
+Linux on x86_64 or aarch64, a kernel without AIO, a seccomp filter that
+refuses io_setup), and it then falls back to a worker thread.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class ClusterEngine:
             self.durability = Durability(
                 storage=storage, policy=config.fsync, node_id=config.node_id,
                 synced=self.core.synced_to, fail=self._fail,
-                schedule_flush=self._schedule_flush, on_batch_timer=self._batch_sync)
+                schedule_flush=self._schedule_flush)
         self._closing = False  # close() began: no new disk-retry timers
         self._failed = False  # storage failed or the node halted: nothing more is carried out
         # A full disk: bytes of records reserved in the log's room since the
@@ -358,13 +358,6 @@ class ClusterEngine:
         if ready.records:
             storage.append(ready.records)
         self.durability.after_write(ready.own_sync)
-
-    def _batch_sync(self) -> None:
-        """The batch timer's callback (Durability arms it). A method of the
-        engine, like its other timers' callbacks, so that the node's
-        fail-stop line names a failure in it as the engine's
-        (tests/test_fail_stop.py injects one here)."""
-        self.durability.batch_sync()
 
     # -- a full disk -------------------------------------------------------------
 

@@ -95,21 +95,17 @@ class Durability:
     `synced(trans_id)`: the core's input (NativeCore.synced_to).
     `fail(exc)`: the storage failed; the node must stop (called once).
     `schedule_flush()`: ask the driver to carry out the core's next Ready.
-    `on_batch_timer`: the batch timer's callback, which must call
-    `batch_sync()` (by default `batch_sync` itself).
     """
 
     def __init__(self, *, storage: DiskStorage, policy: Fsync, node_id: int,
                  synced: Callable[[int], None], fail: Callable[[BaseException], None],
-                 schedule_flush: Callable[[], None],
-                 on_batch_timer: Callable[[], None] | None = None) -> None:
+                 schedule_flush: Callable[[], None]) -> None:
         self.storage = storage
         self.policy = policy
         self.node_id = node_id
         self._synced = synced
         self._fail_cb = fail
         self._schedule_flush = schedule_flush
-        self._on_batch_timer = on_batch_timer or self.batch_sync
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # None: fdatasync runs in _pool (no Linux AIO here, or it refused a file)
         self._kernel_sync: KernelSync | None = None
@@ -163,7 +159,7 @@ class Durability:
             self._start_sync()
         elif policy is not Fsync.OFF and self._batch_timer is None:
             self._batch_timer = self._running.call_later(BATCH_SYNC_MS / 1000,
-                                                         self._on_batch_timer)
+                                                         self.batch_sync)
 
     def bump_epoch(self) -> None:
         """The log was truncated or a snapshot installed: a sync begun before
