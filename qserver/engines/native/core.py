@@ -93,6 +93,8 @@ Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
 logs with the same (vote_id, trans_id) entry are identical up to it; every
 node applies the same entries in the same order.
+
+This module does no I/O.
 """
 
 from __future__ import annotations
