@@ -24,7 +24,7 @@ import json
 import logging
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 from .errors import ConfigError
 from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
@@ -269,7 +269,22 @@ def _queue_name(r: _Reader, name: str | None) -> str:
 
 def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
            nodes: list[_Reader], virtual: list[tuple[_Reader, list[_Reader]]]) -> Config:
-    kw: dict = {"source": file}
+    kw: dict[str, Any] = {"source": file}
+    _read_sections(kw, sections)
+    if cluster:
+        cluster.check_known("secret")
+        secret = cluster.text("secret")
+        if secret is not None and not secret:
+            raise cluster.error("secret must not be empty (omit it for no authentication)")
+        kw["secret"] = secret
+    kw["peers"] = _peers(file, nodes, kw.get("node_id", 1), kw.get("host", DEFAULT_HOST),
+                         kw.get("port", DEFAULT_PORT))
+    kw["virtual_queues"] = _virtual_queues(file, virtual)
+    return Config(**kw)
+
+
+def _read_sections(kw: dict[str, Any], sections: dict[str, _Reader]) -> None:
+    """The single-element sections (log, node_info, ...), into `kw`."""
     r = sections.get("log")
     if r:
         r.check_known("prefix", "level")
@@ -312,12 +327,12 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
         r.check_known("max_request_size")
         kw["max_request_size"] = r.integer("max_request_size", DEFAULT_MAX_REQUEST_SIZE,
                                            lo=MIN_REQUEST_SIZE, hi=MAX_REQUEST_SIZE)
-    if cluster:
-        cluster.check_known("secret")
-        secret = cluster.text("secret")
-        if secret is not None and not secret:
-            raise cluster.error("secret must not be empty (omit it for no authentication)")
-        kw["secret"] = secret
+
+
+def _peers(file: str, nodes: list[_Reader], node_id: int, host: str,
+           port: int) -> tuple[PeerConfig, ...]:
+    """The cluster's <node> elements, checked against each other and against
+    this node's node_id, host and port; sorted by node id."""
     peers: list[PeerConfig] = []
     for n in nodes:
         n.check_known("id", "host", "port", "dial", "raft_dial")
@@ -330,7 +345,6 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
             raise n.error(f"duplicate address {peer.host}:{peer.port}")
         peers.append(peer)
     if peers:
-        node_id = kw.get("node_id", 1)
         if not any(p.node_id == node_id for p in peers):
             raise ConfigError(file, "cluster",
                               f"node_info node_id={node_id} is not one of the cluster's nodes")
@@ -338,11 +352,15 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
             raise ConfigError(file, "cluster",
                               f"{len(peers)} nodes: a cluster needs an odd number of nodes")
         me = next(p for p in peers if p.node_id == node_id)
-        if (me.port == kw.get("port", DEFAULT_PORT)
-                and me.host in (kw.get("host", DEFAULT_HOST), "0.0.0.0")):
+        if me.port == port and me.host in (host, "0.0.0.0"):
             raise ConfigError(file, "cluster",
                               f"node {node_id}'s internal port {me.port} is its client port")
-    kw["peers"] = tuple(sorted(peers, key=lambda p: p.node_id))
+    return tuple(sorted(peers, key=lambda p: p.node_id))
+
+
+def _virtual_queues(file: str,
+                    virtual: list[tuple[_Reader, list[_Reader]]]) -> dict[str, tuple[str, ...]]:
+    """The <virtual_queue> elements: name -> its real member queues."""
     vqs: dict[str, tuple[str, ...]] = {}
     for vr, members in virtual:
         vr.check_known("name")
@@ -365,8 +383,7 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
                 raise ConfigError(file, "virtual_queue",
                                   f"virtual queue {name!r} lists virtual queue {real!r}; "
                                   "members must be real queues")
-    kw["virtual_queues"] = vqs
-    return Config(**kw)
+    return vqs
 
 
 _SECTIONS = ("log", "node_info", "queue_config", "replication", "storage", "limits")
