@@ -101,15 +101,16 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
-from ...state.entries import Entry, Noop, Record
 from ...errors import InvariantError
+from ...state.entries import Entry, Noop, Record
 from ...state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
-from ...state.store import Store
-from ..base import Done, EngineStatus, LeaderInfo, Role
+from ...state.store import SnapshotLoader, Store
+from ..base import Done, EngineStatus, JsonObject, LeaderInfo, Role
 from ..messages import (
     Hello,
     Message,
@@ -135,7 +136,8 @@ class Rng(Protocol):
     """The randomness the core needs, given by its owner (a seeded
     random.Random in tests, a fresh one in the node)."""
 
-    def randrange(self, stop: int) -> int: ...
+    # positional-only: random.Random's first parameter is named `start`
+    def randrange(self, stop: int, /) -> int: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,7 +168,9 @@ class Ready:
     vote: tuple[int, int] | None = None  # (vote_id, voted_for) to persist
     truncate_after: int | None = None  # drop persisted records after this trans_id
     records: list[Record] = field(default_factory=list)  # to append to the log on disk
-    snapshot: tuple[int, int, list] | None = None  # (trans_id, vote_id, state) installed from the master
+    # (trans_id, vote_id, state) installed from the master; state as in
+    # messages.Snapshot: Store.to_wire(), or the loader a file was decoded into
+    snapshot: tuple[int, int, Sequence[Any] | SnapshotLoader] | None = None
     # external snapshots: (to node_id, trans_id, vote_id) of our snapshot file to stream to a slave
     snapshot_sends: list[tuple[int, int, int]] = field(default_factory=list)
     messages: list[tuple[int, Message]] = field(default_factory=list)  # (to node_id, message)
@@ -226,8 +230,10 @@ class NativeCore:
         self.leader_id = 0  # master of vote_id as far as we know (0: none)
         self.commit_id = log.base_trans_id  # highest committed trans_id known
         self.applied_id = log.base_trans_id  # highest trans_id applied to the store
-        self.undo: deque[tuple[int, list]] = deque()  # (trans_id, undo ops) of applied, uncommitted entries
-        self.waiting: dict[int, tuple[int, Done, object]] = {}  # trans_id -> (vote_id, done, result)
+        # (trans_id, undo ops) of applied, uncommitted entries
+        self.undo: deque[tuple[int, list[Any]]] = deque()
+        # trans_id -> (vote_id, done, result)
+        self.waiting: dict[int, tuple[int, Done, object]] = {}
         self.votes: set[int] = set()  # votes (or pre-votes) granted to us this round
         self.pre_voting = False  # collecting pre-votes, not yet a candidate
         self.master_heard_ms = -(10 ** 12)  # last time a live master spoke to us
@@ -300,7 +306,7 @@ class NativeCore:
         if trans_id > self.snapshot_id:
             self.snapshot_id, self.snapshot_vote = trans_id, vote_id
 
-    def slaves(self) -> list[dict]:
+    def slaves(self) -> list[JsonObject]:
         """Per slave: match position and lag (meaningful on the master)."""
         last = self.log.last_trans_id
         return [{"node_id": p.node_id, "match_id": p.match_id, "lag": last - p.match_id}
@@ -426,9 +432,9 @@ class NativeCore:
         while reads and reads[0][0] <= commit_id and reads[0][2] <= confirmed:
             trans_id, vote, _round, done = reads.popleft()
             if self.log.vote_id_at(trans_id) == vote:
-                answers.append(lambda done=done: done(None, None))
+                answers.append(partial(done, None, None))
             else:  # cannot happen on a master (it never truncates); be safe
-                answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+                answers.append(partial(done, None, OUTCOME_UNKNOWN))
 
     def link_up(self, peer_id: int) -> None:
         """A link to `peer_id` came up: introduce ourselves."""
@@ -479,30 +485,32 @@ class NativeCore:
         if peer is None:
             return  # not one of our peers: ignore (the link layer drops them too)
         peer.heard_ms = now_ms
-        t = type(msg)
-        if t is Hello:
-            peer.client = LeaderInfo(node_id=msg.node_id, host=msg.client_host, port=msg.client_port)
-        if t is VoteRequest:
+        # `type(msg) is C` written out each time: mypy narrows `msg` on it
+        # (not on a saved type(msg)), and it costs no more (measured).
+        if type(msg) is VoteRequest:
             self._handle_vote_request(peer, msg, now_ms)
             return
-        if msg.vote_id > self.vote_id and not (t is VoteReply and msg.pre):
+        if msg.vote_id > self.vote_id and not (type(msg) is VoteReply and msg.pre):
             # A newer epoch exists: whatever we were, we follow it now. (A
             # pre-vote reply names the epoch we asked about, not a real one.)
             self._set_vote(msg.vote_id, 0)
-            leader = msg.node_id if t is Push or t is Snapshot else 0
+            leader = msg.node_id if type(msg) is Push or type(msg) is Snapshot else 0
             self._become_slave(now_ms, leader_id=leader)
-        if t is Push:
+        if type(msg) is Push:
             self._handle_push(peer, msg, now_ms)
-        elif t is PushReply:
+        elif type(msg) is PushReply:
             self._handle_push_reply(peer, msg, now_ms)
-        elif t is Pull:
+        elif type(msg) is Pull:
             self._handle_pull(peer, msg, now_ms)
-        elif t is VoteReply:
+        elif type(msg) is VoteReply:
             self._handle_vote_reply(peer, msg, now_ms)
-        elif t is Snapshot:
+        elif type(msg) is Snapshot:
             self._handle_snapshot(peer, msg, now_ms)
-        # Ping and Hello only refresh what we know of the peer (above); we
-        # learn the master from its own push, never from hearsay.
+        elif type(msg) is Hello:
+            peer.client = LeaderInfo(node_id=msg.node_id, host=msg.client_host,
+                                     port=msg.client_port)
+        # Ping and Hello only refresh what we know of the peer; we learn the
+        # master from its own push, never from hearsay.
 
     # -- elections ---------------------------------------------------------
 
@@ -598,7 +606,10 @@ class NativeCore:
         self.refill_ms = now_ms
         # Our decisions must see the whole log: apply what is not yet applied.
         while self.applied_id < last:
-            self._apply_speculative(self.log.get(self.applied_id + 1))
+            record = self.log.get(self.applied_id + 1)
+            if record is None:
+                raise InvariantError(f"entry {self.applied_id + 1} to apply is not in the log")
+            self._apply_speculative(record)
         self.pushed_upto = last
         self.heartbeat_due_ms = now_ms  # announce at once
         # A Noop in our epoch commits every earlier entry with it.
@@ -620,10 +631,10 @@ class NativeCore:
     def _fail_waiting(self) -> None:
         waiting, self.waiting = self.waiting, {}
         for _vote, done, _result in waiting.values():
-            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+            self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         reads, self.reads = self.reads, deque()
-        for _t, _vote, _round, done in reads:
-            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+        for _t, _vote_at, _round, done in reads:
+            self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
 
     def _set_vote(self, vote_id: int, voted_for: int) -> None:
         self.vote_id, self.voted_for = vote_id, voted_for
@@ -634,7 +645,7 @@ class NativeCore:
     def _send(self, peer_id: int, msg: Message) -> None:
         self.ready.messages.append((peer_id, msg))
 
-    def _send_push(self, peer: _Peer, prev: int, records: tuple[Record, ...] | list) -> None:
+    def _send_push(self, peer: _Peer, prev: int, records: Sequence[Record]) -> None:
         prev_vote = self.log.vote_id_at(prev)
         if prev_vote is None:  # compacted past what it was sent: restart from the base
             prev, prev_vote, records = self.log.base_trans_id, self.log.base_vote_id, ()
@@ -704,7 +715,9 @@ class NativeCore:
             common = min(t, log.last_trans_id)
             if common == t:
                 common -= 1
-            while common > log.base_trans_id and log.vote_id_at(common) > msg.log_vote_id:
+            # (base < common <= last: vote_id_at(common) is never None)
+            while (common > log.base_trans_id and (vote := log.vote_id_at(common)) is not None
+                   and vote > msg.log_vote_id):
                 common -= 1
         if common < log.base_trans_id:
             # The slave's entry at our base (committed, compacted) differs:
@@ -732,7 +745,12 @@ class NativeCore:
         vote = self.log.vote_id_at(trans_id)
         if vote is None:
             return  # cannot happen: we keep every record after the commit point
-        redo = [r for r in (self.log.get(i) for i in range(trans_id + 1, self.applied_id + 1))]
+        redo: list[Record] = []
+        for i in range(trans_id + 1, self.applied_id + 1):
+            record = self.log.get(i)
+            if record is None:
+                raise InvariantError(f"applied entry {i} is not in the log")
+            redo.append(record)
         self._rollback_to(trans_id)
         state = self.store.to_wire()
         for record in redo:
@@ -762,6 +780,8 @@ class NativeCore:
             undo.popleft()
         while self.applied_id < commit_id:
             record = self.log.get(self.applied_id + 1)
+            if record is None:
+                raise InvariantError(f"entry {self.applied_id + 1} to apply is not in the log")
             self.store.apply(record.entry)
             self.applied_id = record.trans_id
         if self.waiting:
@@ -769,8 +789,7 @@ class NativeCore:
                 vote, done, result = self.waiting.pop(trans_id)
                 ok = self.log.vote_id_at(trans_id) == vote
                 self.ready.answers.append(
-                    (lambda done=done, result=result: done(result, None)) if ok
-                    else (lambda done=done: done(None, OUTCOME_UNKNOWN)))
+                    partial(done, result, None) if ok else partial(done, None, OUTCOME_UNKNOWN))
         if self.reads:
             self._maybe_answer_reads()
         if len(self.log) > self.log_size + COMPACT_SLACK:
@@ -781,7 +800,7 @@ class NativeCore:
                 self.log.compact(self.log_size, upto)
 
     def _apply_speculative(self, record: Record) -> object:
-        ops: list = []
+        ops: list[Any] = []
         result = self.store.apply(record.entry, ops)
         self.undo.append((record.trans_id, ops))
         self.applied_id = record.trans_id
@@ -832,7 +851,9 @@ class NativeCore:
             # (heartbeats restart a slow walk back from our last entry, and
             # it never ends).
             near = min(prev, log.last_trans_id)
-            while near > log.base_trans_id and log.vote_id_at(near) > msg.prev_vote_id:
+            # (base < near <= last: vote_id_at(near) is never None)
+            while (near > log.base_trans_id and (vote := log.vote_id_at(near)) is not None
+                   and vote > msg.prev_vote_id):
                 near -= 1
             self._maybe_pull(now_ms, near=near)
             return
@@ -861,12 +882,13 @@ class NativeCore:
 
     def _truncate_after(self, trans_id: int) -> None:
         if trans_id < self.commit_id:
-            raise InvariantError(f"truncating committed entries after {trans_id} (commit {self.commit_id})")
+            raise InvariantError(f"truncating committed entries after {trans_id} "
+                                 f"(commit {self.commit_id})")
         if self.applied_id > trans_id:
             self._rollback_to(trans_id)
         for t in [t for t in self.waiting if t > trans_id]:
             _vote, done, _result = self.waiting.pop(t)
-            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+            self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.log.truncate_after(trans_id)
         self.durable_id = min(self.durable_id, trans_id)
         r = self.ready
@@ -906,7 +928,7 @@ class NativeCore:
         self.store.load_wire(msg.state)
         self.undo.clear()
         for _t, (_vote, done, _result) in list(self.waiting.items()):
-            self.ready.answers.append(lambda done=done: done(None, OUTCOME_UNKNOWN))
+            self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.waiting.clear()
         self.log.records.clear()
         self.log.base_trans_id, self.log.base_vote_id = msg.trans_id, msg.log_vote_id
