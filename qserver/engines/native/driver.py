@@ -49,11 +49,12 @@ from ...state.entries import Entry
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
 from ...storage import DiskStorage, StorageError, record_size_bound
-from ..base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond
+from ..base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond, Role
 from ..forwarding import Forwarder
 from ..messages import (
     Forward,
     ForwardReply,
+    Message,
     Push,
     Snapshot,
     SnapshotAck,
@@ -62,7 +63,7 @@ from ..messages import (
     message_to_wire,
 )
 from ..peers import PeerNetwork
-from .core import NativeCore, Timing
+from .core import NativeCore, Ready, Timing
 from .durability import Durability
 from .snapshots import SnapshotFiles
 
@@ -114,6 +115,8 @@ class ClusterEngine:
             # async mode answers a write once it is on our disk: no deferral
             deferred_sync=(storage is not None and config.fsync is Fsync.ALWAYS
                            and config.mode is not Mode.ASYNC))
+        # The peer links and the forwarding over them: both or neither (a
+        # node alone has no peers); only the links' callbacks use forwarder.
         self.net: PeerNetwork | None = None
         self.forwarder: Forwarder | None = None
         if peers:
@@ -124,17 +127,17 @@ class ClusterEngine:
                 secret=config.secret, on_message=self._on_message, on_link=self._on_link)
             self.forwarder = Forwarder(node_id=config.node_id, net=self.net,
                                        vote_id=lambda: self.core.vote_id)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._flush_scheduled = False
-        self._last_role = None
+        self._last_role: Role | None = None  # as last logged
         # Set by the node: how a request a slave forwarded is answered.
         self.handle_forwarded: ForwardedHandler | None = None
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: FatalHandler | None = None
-        # When the log is fsynced (None without storage).
+        # When the log is fsynced: exists iff storage does (None without).
         self.durability: Durability | None = None
         if storage is not None:
             self.durability = Durability(
@@ -193,7 +196,8 @@ class ClusterEngine:
                 "fsyncs": storage.syncs, "disk_full": self._disk_full}
 
     def propose(self, entry: Entry, done: Done) -> None:
-        if self.storage is not None and not self._reserve(record_size_bound(entry)):
+        storage = self.storage
+        if storage is not None and not self._reserve(storage, record_size_bound(entry)):
             done(None, DISK_FULL)  # before the core: nothing was appended or applied
             return
         self.core.propose(entry, done)
@@ -214,6 +218,13 @@ class ClusterEngine:
         return self.forwarder.forward(leader_id, request, respond, timeout_s)
 
     # -- lifecycle -------------------------------------------------------------
+
+    @property
+    def _running(self) -> asyncio.AbstractEventLoop:
+        """The event loop, once start() has run."""
+        if self._loop is None:
+            raise InvariantError("ClusterEngine used before start()")
+        return self._loop
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -244,44 +255,53 @@ class ClusterEngine:
 
     # -- events ----------------------------------------------------------------
 
+    def _forwarding(self) -> Forwarder:
+        """The forwarder, from a callback of the peer links (they exist
+        together)."""
+        if self.forwarder is None:
+            raise InvariantError("a peer link event on a node without peers")
+        return self.forwarder
+
     def _on_message(self, peer_id: int, obj: object) -> None:
         msg = message_from_peer(peer_id, obj)
-        if type(msg) is str:
+        if isinstance(msg, str):  # a reason to drop it (isinstance: mypy narrows out str)
             log.warning("node %d: %s", self.config.node_id, msg)
             return
-        t = type(msg)
-        if t is Forward:
-            self.forwarder.serve(peer_id, msg, self.handle_forwarded)
+        # `type(msg) is C` written out each time: mypy narrows `msg` on it.
+        if type(msg) is Forward:
+            self._forwarding().serve(peer_id, msg, self.handle_forwarded)
             return
-        if t is ForwardReply:
-            self.forwarder.on_reply(msg)
+        if type(msg) is ForwardReply:
+            self._forwarding().on_reply(msg)
             return
-        if t is SnapshotChunk:
+        if type(msg) is SnapshotChunk:
             self.snapshots.on_chunk(peer_id, msg)
             return
-        if t is SnapshotAck:
+        if type(msg) is SnapshotAck:
             self.snapshots.on_ack(peer_id, msg)
             return
-        if t is Snapshot:
+        if type(msg) is Snapshot:
             # Nodes send snapshots as files (SnapshotChunk), never as one
             # message (the simulated network's way); its state would be
             # loaded into the store unchecked.
             log.warning("node %d: node %d sent a snapshot as a message; dropped",
                         self.config.node_id, peer_id)
             return
-        if t is Push and msg.records and self.storage is not None:
-            if not self._reserve(sum(record_size_bound(r.entry) for r in msg.records)):
+        if type(msg) is Push and msg.records:
+            storage = self.storage
+            if storage is not None and not self._reserve(
+                    storage, sum(record_size_bound(r.entry) for r in msg.records)):
                 # No room to store them: take the push as a heartbeat. We
                 # answer for what we hold, so the master never counts these
                 # records here, and we pull them again once there is room.
                 msg = dataclasses.replace(msg, records=())
         self._step_now(msg)
 
-    def _step_now(self, msg: object) -> None:
+    def _step_now(self, msg: Message) -> None:
         self.core.step(msg, now_ms())
         self._schedule_flush()
 
-    def _send_to(self, peer_id: int, msg: object) -> bool:
+    def _send_to(self, peer_id: int, msg: Message) -> bool:
         return self.net is not None and self.net.send(peer_id, message_to_wire(msg))
 
     def _on_link(self, peer_id: int, up: bool) -> None:
@@ -289,7 +309,7 @@ class ClusterEngine:
             self.core.link_up(peer_id)
             self._schedule_flush()
         else:
-            self.forwarder.link_down(peer_id)
+            self._forwarding().link_down(peer_id)
             self.snapshots.drop_stream(peer_id)
 
     # -- carrying out the core's Ready ----------------------------------------
@@ -297,17 +317,17 @@ class ClusterEngine:
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._running.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         if self._failed:
             return
         ready = self.core.take_ready(now_ms())
-        storage = self.storage
-        if storage is not None:
+        durability = self.durability  # not None iff there is storage
+        if durability is not None:
             try:
-                self._persist(storage, ready)
+                self._persist(durability, ready)
             except StorageError as exc:
                 self._fail(exc)
                 return
@@ -315,8 +335,9 @@ class ClusterEngine:
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
         self.snapshots.discard_unwanted()
-        if self.net is not None and ready.messages:
-            self._send_all(ready.messages)
+        net = self.net
+        if net is not None and ready.messages:
+            self._send_all(net, ready.messages)
         for answer in ready.answers:
             answer()
         for peer_id, trans_id, vote_id in ready.snapshot_sends:
@@ -329,20 +350,22 @@ class ClusterEngine:
                      self.core.vote_id, self.core.leader_id or "unknown")
         self._arm_timer()
 
-    def _send_all(self, messages: list) -> None:
+    def _send_all(self, net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
         encoded: dict[int, object] = {}
-        send = self.net.send
+        send = net.send
         for peer_id, msg in messages:
             wire = encoded.get(id(msg))
             if wire is None:
                 wire = encoded[id(msg)] = message_to_wire(msg)
             send(peer_id, wire)
 
-    def _persist(self, storage: DiskStorage, ready) -> None:
-        """Vote, snapshot, truncation, records: on disk before anything of
-        this turn is sent or answered, then fsynced as `durability` decides
-        (the policy and `ready.own_sync`). A StorageError propagates: the
-        node must stop and recover from disk."""
+    def _persist(self, durability: Durability, ready: Ready) -> None:
+        """Vote, snapshot, truncation, records: on disk (durability's
+        storage) before anything of this turn is sent or answered, then
+        fsynced as `durability` decides (the policy and `ready.own_sync`).
+        A StorageError propagates: the node must stop and recover from
+        disk."""
+        storage = durability.storage
         if ready.vote is not None:
             storage.save_vote(*ready.vote)
         if ready.snapshot is not None:
@@ -354,22 +377,21 @@ class ClusterEngine:
         if ready.truncate_after is not None:
             storage.truncate_after(ready.truncate_after)
         if ready.snapshot is not None or ready.truncate_after is not None:
-            self.durability.bump_epoch()
+            durability.bump_epoch()
         if ready.records:
             storage.append(ready.records)
-        self.durability.after_write(ready.own_sync)
+        durability.after_write(ready.own_sync)
 
     # -- a full disk -------------------------------------------------------------
 
-    def _reserve(self, nbytes: int) -> bool:
-        """Room in the log for `nbytes` more of records this turn (on top of
-        what was reserved since the last flush, and DISK_MARGIN_BYTES for
-        the records the core writes on its own)? Reserved if so; if the
-        disk is out of space, the node refuses writes until DISK_RETRY_S
-        finds room again."""
+    def _reserve(self, storage: DiskStorage, nbytes: int) -> bool:
+        """Room in the log (`storage`, ours) for `nbytes` more of records
+        this turn (on top of what was reserved since the last flush, and
+        DISK_MARGIN_BYTES for the records the core writes on its own)?
+        Reserved if so; if the disk is out of space, the node refuses
+        writes until DISK_RETRY_S finds room again."""
         if self._disk_full or self._failed:
             return False
-        storage = self.storage
         total = self._reserved + nbytes
         if storage.room < total + DISK_MARGIN_BYTES:
             try:
@@ -382,26 +404,27 @@ class ClusterEngine:
                 log.warning("node %d: disk full in %s: refusing writes (and not storing "
                             "replicated records) until space is freed; checking every %g s",
                             self.config.node_id, storage.directory, DISK_RETRY_S)
-                self._disk_timer = self._loop.call_later(DISK_RETRY_S, self._retry_disk)
+                self._disk_timer = self._running.call_later(DISK_RETRY_S, self._retry_disk,
+                                                            storage)
                 return False
         self._reserved = total
         return True
 
-    def _retry_disk(self) -> None:
+    def _retry_disk(self, storage: DiskStorage) -> None:
         self._disk_timer = None
         if self._failed or self._closing:
             return
         try:
-            ok = self.storage.make_room(self._reserved + DISK_MARGIN_BYTES + DISK_FREE_BYTES)
+            ok = storage.make_room(self._reserved + DISK_MARGIN_BYTES + DISK_FREE_BYTES)
         except StorageError as exc:
             self._fail(exc)
             return
         if ok:
             self._disk_full = False
             log.warning("node %d: disk space available again in %s: accepting writes",
-                        self.config.node_id, self.storage.directory)
+                        self.config.node_id, storage.directory)
         else:
-            self._disk_timer = self._loop.call_later(DISK_RETRY_S, self._retry_disk)
+            self._disk_timer = self._running.call_later(DISK_RETRY_S, self._retry_disk, storage)
 
     def _fail(self, exc: BaseException) -> None:
         """Storage failed: stop serving writes and stop the node loudly
@@ -432,7 +455,7 @@ class ClusterEngine:
             self._timer.cancel()
         self._timer_at = deadline
         delay = max(0.0, (deadline - now_ms()) / 1000.0)
-        self._timer = self._loop.call_later(delay, self._on_timer)
+        self._timer = self._running.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
