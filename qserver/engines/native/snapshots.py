@@ -41,10 +41,10 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from typing import BinaryIO, TypedDict
 
 from ...errors import InvariantError
-from ..messages import Snapshot, SnapshotAck, SnapshotChunk
-from .core import NativeCore
+from ...state.store import SnapshotLoader
 from ...storage import (
     DiskStorage,
     decode_snapshot,
@@ -53,7 +53,9 @@ from ...storage import (
     unlink_quietly,
     write_snapshot_file,
 )
-from ...state.store import SnapshotLoader
+from ..base import JsonObject
+from ..messages import Message, Snapshot, SnapshotAck, SnapshotChunk
+from .core import NativeCore
 
 __all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
 
@@ -80,7 +82,7 @@ class _Outgoing:
 
     __slots__ = ("file", "trans_id", "vote_id", "size", "sent", "acked", "acked_at")
 
-    def __init__(self, file, trans_id: int, vote_id: int, now_s: float) -> None:
+    def __init__(self, file: BinaryIO, trans_id: int, vote_id: int, now_s: float) -> None:
         self.file = file
         self.trans_id = trans_id
         self.vote_id = vote_id
@@ -126,12 +128,24 @@ def _child_setup() -> None:
         pass
 
 
+class _Stats(TypedDict):
+    """What info() shows of the snapshots taken, sent and received."""
+
+    taken: int
+    failed: int
+    last_pause_ms: float | None  # the fork's (None: no snapshot yet)
+    max_pause_ms: float | None
+    last_write_ms: float | None  # fork to adopted file
+    sent: int
+    installed: int
+
+
 class SnapshotFiles:
     """One node's snapshot work (see the module docstring)."""
 
     def __init__(self, *, core: NativeCore, storage: DiskStorage | None, node_id: int,
-                 log_size: int, send: Callable[[int, object], bool],
-                 step: Callable[[object], None], schedule_flush: Callable[[], None]) -> None:
+                 log_size: int, send: Callable[[int, Message], bool],
+                 step: Callable[[Message], None], schedule_flush: Callable[[], None]) -> None:
         """`send(peer_id, message)`: False if the link is down. `step(msg)`
         hands a message to the core (and schedules the adapter's flush)."""
         self.core = core
@@ -141,9 +155,10 @@ class SnapshotFiles:
         self._send = send
         self._step = step
         self._schedule_flush = schedule_flush
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
         self._own_dir = storage is None
-        self.dir = tempfile.mkdtemp(prefix="qserver-snap-") if storage is None else storage.directory
+        self.dir = (tempfile.mkdtemp(prefix="qserver-snap-") if storage is None
+                    else storage.directory)
         self._child: tuple[int, int, int, int, float] | None = None  # pid, fd, t, v, start
         self._retry_at = 0.0  # no new writer before this (monotonic s) after a failure
         self._outgoing: dict[int, _Outgoing] = {}  # streams to slaves, by node id
@@ -152,15 +167,23 @@ class SnapshotFiles:
         # store built from it) that was stepped into the core as the
         # Snapshot's state: the flush installs the one the core took.
         self.received: list[tuple[SnapshotLoader, str, int]] = []
-        self.stats = {"taken": 0, "failed": 0, "last_pause_ms": None, "max_pause_ms": None,
-                      "last_write_ms": None, "sent": 0, "installed": 0}
+        self.stats: _Stats = {"taken": 0, "failed": 0, "last_pause_ms": None,
+                              "max_pause_ms": None, "last_write_ms": None, "sent": 0,
+                              "installed": 0}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def info(self) -> dict:
+    @property
+    def _running(self) -> asyncio.AbstractEventLoop:
+        """The event loop, once start() has run."""
+        if self._loop is None:
+            raise InvariantError("SnapshotFiles used before start()")
+        return self._loop
+
+    def info(self) -> JsonObject:
         """What monitor shows about snapshots (pauses in ms, as measured)."""
-        info = dict(self.stats)
+        info: JsonObject = dict(self.stats)
         info["snapshot_id"] = self.core.snapshot_id
         info["writing"] = self._child is not None
         info["streaming_to"] = sorted(self._outgoing)
@@ -197,7 +220,7 @@ class SnapshotFiles:
     def maybe_write(self) -> None:
         """Start a snapshot writer once log_size entries were applied since
         the newest snapshot (one writer at a time)."""
-        if self._child is not None or self._loop is None:
+        if self._child is not None or self._loop is None:  # writing, or not started
             return
         trans_id, vote_id = self.core.snapshot_point()
         if trans_id - self.core.snapshot_id < max(1, self.log_size):
@@ -241,13 +264,13 @@ class SnapshotFiles:
         stats = self.stats
         stats["last_pause_ms"] = round(pause_ms, 2)
         stats["max_pause_ms"] = round(max(pause_ms, stats["max_pause_ms"] or 0.0), 2)
-        self._child = (pid, r, trans_id, vote_id, started)
-        self._loop.add_reader(r, self._snapshot_written)
+        self._child = child = (pid, r, trans_id, vote_id, started)
+        self._running.add_reader(r, self._snapshot_written, child)
 
-    def _snapshot_written(self) -> None:
-        pid, r, trans_id, vote_id, started = self._child
+    def _snapshot_written(self, child: tuple[int, int, int, int, float]) -> None:
+        pid, r, trans_id, vote_id, started = child
         self._child = None
-        self._loop.remove_reader(r)
+        self._running.remove_reader(r)
         try:
             status = os.read(r, 1)
         finally:
@@ -277,7 +300,7 @@ class SnapshotFiles:
         except ChildProcessError:
             return
         if not done:
-            self._loop.call_later(0.05, self._reap, pid)
+            self._running.call_later(0.05, self._reap, pid)
 
     def _snapshot_failed(self, trans_id: int, why: str) -> None:
         self.stats["failed"] += 1
@@ -312,7 +335,7 @@ class SnapshotFiles:
         if self._child is not None:
             pid, r, *_ = self._child
             self._child = None
-            self._loop.remove_reader(r)
+            self._running.remove_reader(r)
             os.close(r)
             try:
                 os.kill(pid, signal.SIGKILL)
