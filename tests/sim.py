@@ -99,16 +99,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
-from qserver.engines.native.durability import BATCH_SYNC_MS
-from qserver.state.entries import Confirm, Consume, Produce, Record
-from qserver.state.log import Log
-from qserver.engines.native import core as native
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
+from qserver.engines.native import core as native
 from qserver.engines.native.core import NativeCore, Role, Timing
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.engines.native.durability import BATCH_SYNC_MS
 from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
+from qserver.state.entries import Confirm, Consume, Produce, Record
+from qserver.state.log import Log
 from qserver.state.store import Store
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 
 START_MS = 1_700_000_000_000
 
@@ -270,7 +270,8 @@ class Network:
         self.nodes: dict[int, SimNode] = {}
         self.queue: list = []  # heap of (deliver_at, seq, src, dst, wire or _Chunk/_Ack)
         self.events: list = []  # heap of (at, seq, node_id or None, incarnation, fn)
-        self.link_clock: dict[tuple[int, int], int] = {}  # snapshot streams keep their order per link
+        # snapshot streams keep their order per link
+        self.link_clock: dict[tuple[int, int], int] = {}
         self.seq = 0
         self.cut: set[tuple[int, int]] = set()  # directed links that drop everything
         self.drop_rate = 0.0
@@ -291,7 +292,8 @@ class Network:
         # Paused nodes (SIGSTOP) and what waits for them to run again:
         # ("msg", src, wire) or ("event", (node or None, incarnation), handle).
         self.paused: dict[int, list] = {}
-        self.sent: list[tuple[int, int, int, object]] | None = None  # (time, src, dst, msg) when recording
+        # (time, src, dst, msg) when recording
+        self.sent: list[tuple[int, int, int, object]] | None = None
         self.masters_by_vote: dict[int, set[int]] = {}
         self.delivered = 0  # messages delivered (statistics)
         self.stats = collections.Counter()  # snapshots installed, truncations, reverts (statistics)
@@ -325,7 +327,8 @@ class Network:
         self._instrument(node, store)
         vote_id, voted_for = node.disk_vote
         core = NativeCore(node_id=node.node_id, peer_ids=self.ids, store=store, log=log,
-                          me=LeaderInfo(node_id=node.node_id, host="127.0.0.1", port=10000 + node.node_id),
+                          me=LeaderInfo(node_id=node.node_id, host="127.0.0.1",
+                                        port=10000 + node.node_id),
                           rng=random.Random(self.rng.random()), now_ms=self.now, timing=self.timing,
                           async_mode=self.async_mode, sync_rate=self.sync_rate,
                           log_size=self.log_size, vote_id=vote_id, voted_for=voted_for,
@@ -370,7 +373,8 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
-    def crash(self, i: int, *, drop_outgoing: bool = False, keep_unsynced: bool | None = None) -> None:
+    def crash(self, i: int, *, drop_outgoing: bool = False,
+              keep_unsynced: bool | None = None) -> None:
         """Stop node i. Its disk survives, except records written and not
         yet fsynced: all of them stay (`keep_unsynced=True`, a process
         crash), none (False), or a random prefix (None: a power loss).
@@ -520,8 +524,9 @@ class Network:
             if type(state) is not list:  # received as a file: SnapshotFiles.install_into
                 received = node.received_file(state)
                 if received is None or received[2] != trans_id:
-                    raise SimFailure(f"seed {self.seed}: node {node.node_id} installs a snapshot at "
-                                     f"{trans_id}; the file it received holds {received and received[2]}")
+                    raise SimFailure(f"seed {self.seed}: node {node.node_id} installs a snapshot "
+                                     f"at {trans_id}; the file it received holds "
+                                     f"{received and received[2]}")
                 node.received.remove(received)
                 state = received[1]
             node.disk_base = (trans_id, vote_id)
@@ -594,7 +599,8 @@ class Network:
         trans_id, vote_id = core.snapshot_point()
         if trans_id - core.snapshot_id < max(1, self.log_size):
             return
-        child = copy.copy(core)  # the fork: its own store (without the Checker's hooks) and undo records
+        # the fork: its own store (without the Checker's hooks) and undo records
+        child = copy.copy(core)
         child.store = Store(queue_size=self.queue_size, virtual_queues=self.virtual_queues)
         child.store.load_wire(core.store.to_wire())
         child.undo = deque(core.undo)
@@ -625,7 +631,8 @@ class Network:
         """SnapshotFiles.stream: send our newest snapshot file to `peer`."""
         current = node.outgoing.get(peer)
         if current is not None:
-            if current.trans_id == trans_id and self.now - current.acked_at < SNAPSHOT_STALL_S * 1000:
+            if (current.trans_id == trans_id
+                    and self.now - current.acked_at < SNAPSHOT_STALL_S * 1000):
                 return  # under way
             del node.outgoing[peer]
         if node.disk_base[0] > trans_id:
@@ -641,7 +648,8 @@ class Network:
         if not self.alive(peer):
             return  # the link is down
         node.outgoing[peer] = _Stream(trans_id, vote_id, node.disk_state,
-                                      chunks=self.rng.randint(*self.snapshot_chunks), acked_at=self.now)
+                                      chunks=self.rng.randint(*self.snapshot_chunks),
+                                      acked_at=self.now)
         self.stats["snapshot_streams"] += 1
         self._pump(node, peer)
 
@@ -753,7 +761,8 @@ class Network:
         if self.now == before:
             self._same_instant += 1
             if self._same_instant > MAX_STEPS_AT_ONE_INSTANT:
-                raise SimFailure(f"seed {self.seed}: livelock: {self._same_instant} steps at t={self.now}")
+                raise SimFailure(f"seed {self.seed}: livelock: {self._same_instant} steps "
+                                 f"at t={self.now}")
         else:
             self._same_instant = 0
         return True
@@ -892,7 +901,8 @@ class Checker:
     def __init__(self, net: Network) -> None:
         self.net = net
         self.committed: list[Record] = []  # the global committed sequence; [t - 1] is trans_id t
-        self.written: dict[tuple[int, int], tuple[object, int | None]] = {}  # (t, v) -> (entry, vote at t-1)
+        # (t, v) -> (entry, vote at t-1)
+        self.written: dict[tuple[int, int], tuple[object, int | None]] = {}
         self.ref = Store(queue_size=net.queue_size, virtual_queues=net.virtual_queues)
         self.ref_pos = 0
         self.ref_cache: dict[int, list] = {0: []}
@@ -925,7 +935,8 @@ class Checker:
                 key = (node.node_id, msg.vote_id)
                 first = self.granted.setdefault(key, dst)
                 if first != dst:
-                    self.fail(f"node {node.node_id} granted vote {msg.vote_id} to {first} and to {dst}")
+                    self.fail(f"node {node.node_id} granted vote {msg.vote_id} to {first} "
+                              f"and to {dst}")
                 vote = node.disk_vote
                 if vote != (msg.vote_id, dst) and vote[0] <= msg.vote_id:
                     self.fail(f"node {node.node_id} grants vote {msg.vote_id} to {dst} "
@@ -989,7 +1000,8 @@ class Checker:
         c = core.commit_id
         if c <= node.seen_commit:
             if c < node.seen_commit:
-                self.fail(f"node {node.node_id}: commit_id went back from {node.seen_commit} to {c}")
+                self.fail(f"node {node.node_id}: commit_id went back from {node.seen_commit} "
+                          f"to {c}")
             return
         committed = self.committed
         log = core.log
@@ -1025,7 +1037,8 @@ class Checker:
         for record in ready.records:
             if record.trans_id == t:
                 return record
-        if ready.snapshot is not None or (ready.truncate_after is not None and t > ready.truncate_after):
+        if ready.snapshot is not None or (ready.truncate_after is not None
+                                          and t > ready.truncate_after):
             return None
         return node.disk_record(t)
 
@@ -1045,7 +1058,8 @@ class Checker:
                 # a pause) and can neither commit nor confirm a read.
                 break
             record = log.get(t)
-            if record is None or record.vote_id != known.vote_id or not same(record.entry, known.entry):
+            if (record is None or record.vote_id != known.vote_id
+                    or not same(record.entry, known.entry)):
                 self.fail(f"invariant 2: node {node.node_id} became master of vote "
                           f"{node.core.vote_id} without committed entry {known} (has {record})")
 
@@ -1060,10 +1074,12 @@ class Checker:
             self.fail(f"node {node.node_id}: applied_id {core.applied_id} but "
                       f"{len(node.applied)} entries applied after {base}")
         if core.commit_id > core.applied_id:
-            self.fail(f"node {node.node_id}: commit_id {core.commit_id} > applied_id {core.applied_id}")
+            self.fail(f"node {node.node_id}: commit_id {core.commit_id} "
+                      f"> applied_id {core.applied_id}")
         upto = core.commit_id
         if upto > len(self.committed):
-            self.fail(f"node {node.node_id}: commit {upto} beyond the known end {len(self.committed)}")
+            self.fail(f"node {node.node_id}: commit {upto} beyond the known end "
+                      f"{len(self.committed)}")
         applied, committed = node.applied, self.committed
         for t in range(node.verified_upto + 1, upto + 1):
             if not same(applied[t - base - 1], committed[t - 1].entry):
@@ -1112,7 +1128,8 @@ class Checker:
             core.store._check()
             if core.applied_id != core.commit_id:
                 if strict:
-                    self.fail(f"node {node.node_id}: applied {core.applied_id} != commit {core.commit_id}")
+                    self.fail(f"node {node.node_id}: applied {core.applied_id} "
+                              f"!= commit {core.commit_id}")
                 # A master's (or deposed master's) speculative entries are its log's.
                 for k, entry in enumerate(node.applied[core.commit_id - node.applied_base:]):
                     record = core.log.get(core.commit_id + 1 + k)
@@ -1237,13 +1254,15 @@ class Workload:
         self.produced: dict[str, _Produced] = {}  # data -> its request's decisions
         # Messages are (queue, msg_id); a produce to a virtual queue makes one per real queue.
         self.deliveries: dict[tuple[str, int], list[_Delivery]] = {}  # acknowledged deliveries
-        self.confirmed: dict[tuple[str, int], int] = {}  # message -> event number of a confirm's ack
+        # message -> event number of a confirm's ack
+        self.confirmed: dict[tuple[str, int], int] = {}
         self.answers = collections.Counter()
         # Against the committed history (strict):
         self.acked_upto = 0  # the newest position an acknowledged answer rests on
         self.waiting_commit: dict[int, list] = {}  # position -> checks once it is committed
         self.confirm_pos: dict[tuple[str, int], int] = {}  # message -> position of an acked confirm
-        self.empty_reads: list[tuple[int, str, int]] = []  # (position, queue, now_ms) of acked empty consumes
+        # (position, queue, now_ms) of acked empty consumes
+        self.empty_reads: list[tuple[int, str, int]] = []
         # What the committed history did to each message:
         self.consumed_at: dict[tuple[str, int], list[int]] = {}
         self.deleted_at: dict[tuple[str, int], int] = {}
@@ -1292,7 +1311,8 @@ class Workload:
         rng = self.rng
         if queue is None:
             virtual = sorted(self.net.virtual_queues)
-            queue = rng.choice(virtual) if virtual and rng.random() < 0.15 else rng.choice(self.queues)
+            queue = (rng.choice(virtual) if virtual and rng.random() < 0.15
+                     else rng.choice(self.queues))
         if retry_s is None:
             retry_s = rng.choice((0, 0, 0.2, 1))
         if delay_s is RANDOM:
@@ -1310,14 +1330,16 @@ class Workload:
     def consume(self, queue: str | None = None, *, node: int | None = None) -> _Request:
         return self._start(_Request("consume", queue or self.rng.choice(self.queues)), node)
 
-    def confirm(self, key: tuple[str, int] | None = None, *, node: int | None = None) -> _Request | None:
+    def confirm(self, key: tuple[str, int] | None = None, *,
+                node: int | None = None) -> _Request | None:
         """Confirm a delivered message: by default one still in flight, now
         and then one already confirmed or gone (an unknown id)."""
         if key is None:
             keys = sorted(self.deliveries)
             if not keys:
                 return None
-            candidates = [k for k in keys if self.deliveries[k][-1].retry_at_ms and k not in self.confirmed]
+            candidates = [k for k in keys
+                          if self.deliveries[k][-1].retry_at_ms and k not in self.confirmed]
             if candidates and self.rng.random() < 0.85:
                 key = self.rng.choice(candidates)
             else:
@@ -1441,7 +1463,8 @@ class Workload:
             return
         self.answers["retries"] += 1
         rng = self.rng
-        node = req.node if not elsewhere and rng.random() < self.same_node_rate else rng.choice(self.net.ids)
+        node = (req.node if not elsewhere and rng.random() < self.same_node_rate
+                else rng.choice(self.net.ids))
         # The client's backoff doubles with each attempt, up to 1 s (qserver.client.core).
         delay = min(rng.randint(*self.backoff_ms) << (req.attempts - 1), 1000)
         self.net.schedule(delay, partial(self._attempt, req, node))
@@ -1512,8 +1535,8 @@ class Workload:
             self.answers["read_empty"] += 1
         if not self.strict:
             return
-        what = (f"confirm of {req.queue}/{req.msg_id} answered 'unknown id'" if req.kind == "confirm"
-                else f"empty consume of {req.queue}")
+        what = (f"confirm of {req.queue}/{req.msg_id} answered 'unknown id'"
+                if req.kind == "confirm" else f"empty consume of {req.queue}")
         t = att.trans_id
         if t < att.need:
             self.fail(f"{what} from the state at trans_id {t}, but an answer acknowledged "
@@ -1639,7 +1662,8 @@ class Workload:
             if type(e) is Produce:
                 for target in e.targets:
                     if target in produce_of:
-                        self.fail(f"msg_id {target} given to {produce_of[target].data} and to {e.data}")
+                        self.fail(f"msg_id {target} given to {produce_of[target].data} "
+                                  f"and to {e.data}")
                     produce_of[target] = e
             elif type(e) is Consume:
                 consumes.add(e)
@@ -1667,7 +1691,8 @@ class Workload:
                     self.fail(f"acknowledged delivery of {d.data} as {key}, which the committed "
                               f"log gives to {stored and stored.data}")
                 if d.now_ms < stored.ready_ms:
-                    self.fail(f"{d.data} delivered at {d.now_ms}, before its ready time {stored.ready_ms}")
+                    self.fail(f"{d.data} delivered at {d.now_ms}, before its ready time "
+                              f"{stored.ready_ms}")
         if self.empty_reads:
             state = Store(queue_size=self.net.queue_size, virtual_queues=self.net.virtual_queues)
             at = 0
@@ -1676,8 +1701,8 @@ class Workload:
                     state.apply(committed[at].entry)
                     at += 1
                 if state.decide_consume(ConsumeRequest(queue=queue), now_ms) is not None:
-                    self.fail(f"empty consume of {queue} at {now_ms} acknowledged from the state at "
-                              f"trans_id {t}, where a message was ready", 7)
+                    self.fail(f"empty consume of {queue} at {now_ms} acknowledged from the "
+                              f"state at trans_id {t}, where a message was ready", 7)
 
 
 # -- random schedules -------------------------------------------------------------
@@ -1849,7 +1874,8 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                                      for i in ids))
     # The cluster still takes writes. (A node resumed by the healing may
     # still step down and cause one more election: the client retries.)
-    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master(), max_attempts=10)
+    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master(),
+                        max_attempts=10)
     if not net.run_until(lambda: work.produced[data].acked_at is not None, 10_000):
         raise SimFailure(f"seed {seed}: the settled cluster does not acknowledge a produce")
     work.stop()
@@ -1862,4 +1888,5 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                          committed=len(net.checker.committed),
                          acked=sum(1 for p in work.produced.values() if p.acked_at is not None),
                          virtual_ms=net.now - START_MS,
-                         counters=dict(net.stats, **{f"answers_{k}": v for k, v in work.answers.items()}))
+                         counters=dict(net.stats, **{f"answers_{k}": v
+                                                     for k, v in work.answers.items()}))
