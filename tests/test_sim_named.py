@@ -11,12 +11,11 @@ import random
 
 import pytest
 
+import sim
+from qserver.engines.messages import Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire
 from qserver.engines.native import core as native
-from qserver.engines.messages import (
-    Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire)
 from qserver.engines.native.core import Role, Timing
 from qserver.wire.requests import ConsumeRequest, ProduceRequest
-import sim
 from sim import Network, Workload, message_data, run_schedule
 
 E = 300  # the sim's election_ms (Timing(heartbeat_ms=50, election_ms=300, pull_retry_ms=100))
@@ -32,7 +31,8 @@ def small_compaction_slack(monkeypatch):
 # -- helpers -----------------------------------------------------------------
 
 
-def produce(net: Network, node: int, queue: str, data: str, results: list, retry_s: float = 0) -> None:
+def produce(net: Network, node: int, queue: str, data: str, results: list,
+            retry_s: float = 0) -> None:
     """A client produce on `node` (which must be master), as service.py does it."""
     core = net.core(node)
     entry = core.store.decide_produce(
@@ -145,7 +145,8 @@ def test_deposed_master_with_longer_older_log_loses_and_truncates(n, new_master_
     # No up-to-date node granted A a real vote after the heal.
     for _t, src, dst, msg in net.sent[sent_before:]:
         if dst == a and type(msg) is VoteReply and msg.granted and not msg.pre:
-            assert False, f"seed {seed}: node {src} granted the deposed master its vote {msg.vote_id}"
+            pytest.fail(f"seed {seed}: node {src} granted the deposed master its vote "
+                        f"{msg.vote_id}")
     # A's clients heard "outcome unknown" (when it stepped down), never ok.
     assert len(lost) == 6 and all(error is not None for _r, error in lost)
     # A's lone entries are gone from its log and its store; every store is the same.
@@ -238,7 +239,8 @@ def test_slave_that_never_pulled_catches_up_without_new_writes(seed, sync_rate):
     net.drop_if = drop
     net.start(s)
     assert net.run_until(lambda: heartbeats_seen, 1_000)
-    assert net.core(s).leader_id == m and net.core(s).log.last_trans_id < net.core(m).log.last_trans_id
+    assert net.core(s).leader_id == m
+    assert net.core(s).log.last_trans_id < net.core(m).log.last_trans_id
     proposed = net.core(m).log.last_trans_id
     assert net.run_until(lambda: net.converged(), 10 * E + 30 * 1000 // sync_rate * 4), \
         f"seed {seed}: the slave did not catch up: {net.core(s).status()} vs {net.core(m).status()}"
@@ -267,17 +269,19 @@ def test_split_vote_without_winner_is_retried_within_a_few_election_timeouts(tim
         # nobody sees a real VoteRequest until all three are candidates.
         net.hold_if = lambda src, dst, msg: type(msg) is VoteReply or (
             type(msg) is VoteRequest and not msg.pre)
-        assert net.run_until(lambda: sum(type(message_from_wire(w)) is VoteReply
-                                         for _s, _d, w in net.held) == 6, 5 * e)
+        assert net.run_until(lambda net=net: sum(type(message_from_wire(w)) is VoteReply
+                                                 for _s, _d, w in net.held) == 6, 5 * e)
         net.hold_if = lambda src, dst, msg: type(msg) is VoteRequest and not msg.pre
         net.release()
-        assert net.run_until(lambda: all(net.core(i).role is Role.CANDIDATE for i in net.ids), 5 * e)
+        assert net.run_until(
+            lambda net=net: all(net.core(i).role is Role.CANDIDATE for i in net.ids), 5 * e)
         vote = net.core(1).vote_id
         assert all(net.core(i).vote_id == vote and net.core(i).voted_for == i for i in net.ids)
         split_at = net.now
         net.hold_if = None
         net.release()
-        assert net.run_until(lambda: net.master() is not None, 20 * e), f"seed {seed}: no master"
+        assert net.run_until(lambda net=net: net.master() is not None, 20 * e), \
+            f"seed {seed}: no master"
         assert vote not in net.masters_by_vote
         waits.append((net.now - split_at) / e)
         settle(net)
@@ -372,26 +376,27 @@ def test_acked_produce_keeps_its_msg_id_across_failovers(n, seed):
         names = {}
         for tag, retry in (("kept", 5), ("gone", 0)):
             data = names[tag] = work.produce("q", retry_s=retry, delay_s=None, ttl_s=None)
-            assert net.run_until(lambda: work.produced[data].acked_at is not None, 5_000)
+            assert net.run_until(lambda data=data: work.produced[data].acked_at is not None,
+                                 5_000)
             acked[data] = work.produced[data].targets[0]
         for _ in range(20):
             if work.delivered(names["gone"]):
                 break
             work.consume("q")
-            assert net.run_until(lambda: not net.core(m).waiting, 5_000)
+            assert net.run_until(lambda m=m: not net.core(m).waiting, 5_000)
         assert work.delivered(names["gone"])
         # Kill the master right after that ack, before it says anything else.
         net.crash(m, drop_outgoing=True)
         m2 = elect(net, m)
         q = net.core(m2).store.get("q")
-        for data, (queue, msg_id) in acked.items():
+        for data, (_queue, msg_id) in acked.items():
             if work.delivered(data) and work.produced[data].retry_ms == 0:
                 assert msg_id not in q.messages, f"seed {seed}: consumed {data} is back"
             else:
                 assert message_data(q.messages[msg_id]) == data
         before = q.max_id
         new = work.produce("q", retry_s=0, delay_s=None, ttl_s=None)
-        assert net.run_until(lambda: work.produced[new].acked_at is not None, 5_000)
+        assert net.run_until(lambda new=new: work.produced[new].acked_at is not None, 5_000)
         new_id = work.produced[new].targets[0][1]
         assert new_id > max(msg_id for _q, msg_id in acked.values()) and new_id > before
         acked[new] = work.produced[new].targets[0]
@@ -430,7 +435,8 @@ def test_late_snapshot_never_drops_entries_the_slave_acknowledged(seed):
     assert core_s.log.last_trans_id == c0 + 5 > at
     # The snapshot the master sent when its commit was at `at`.
     net.deliver(m, s, Snapshot(vote_id=core_m.vote_id, node_id=m, trans_id=at,
-                               log_vote_id=core_m.log.vote_id_at(at), state=net.checker.reference(at)))
+                               log_vote_id=core_m.log.vote_id_at(at),
+                               state=net.checker.reference(at)))
     assert core_s.log.last_trans_id == c0 + 5 and core_s.commit_id == at  # kept, and commits
     # The acknowledged writes survive the master's death with the slave's copy.
     net.drop_if = None
@@ -600,8 +606,10 @@ def test_retried_confirm_on_a_cut_off_master_is_not_acknowledged(seed, n, produc
     # confirm (had M acknowledged that read, the Checker fails here), and
     # the client, retrying, finds it.
     assert net.run_until(lambda: confirm.finished and net.core(m2).commit_id >= at, 10_000)
-    assert confirm.acked is not None and confirm.acked.target == m2 and confirm.acked.entry is not None
-    reads_on_m = [i for i, (node, kind) in enumerate(confirm.executed) if (node, kind) == (m, "read")]
+    assert confirm.acked is not None and confirm.acked.target == m2
+    assert confirm.acked.entry is not None
+    reads_on_m = [i for i, (node, kind) in enumerate(confirm.executed)
+                  if (node, kind) == (m, "read")]
     assert reads_on_m and all(confirm.outcomes[i] != "ok" for i in reads_on_m)
 
     net.heal()
@@ -649,7 +657,8 @@ def test_empty_consume_on_a_paused_master_is_not_acknowledged(seed, production):
     work.final_check(m)
 
 
-@pytest.mark.parametrize("n, seeds", [(3, range(0, 40)), (5, range(0, 16))], ids=["3nodes", "5nodes"])
+@pytest.mark.parametrize("n, seeds", [(3, range(0, 40)), (5, range(0, 16))],
+                         ids=["3nodes", "5nodes"])
 def test_clients_retrying_through_master_partitions_get_only_committed_answers(n, seeds):
     """Random schedules (sim.run_schedule, faults="master_partitions") in
     which the master is cut off, paused or left alone again and again while
@@ -721,7 +730,8 @@ def test_deferring_master_counts_its_own_copy_only_once_fsynced(seed):
     master's copy is needed: the Ready's own_sync is NOW, its fsync starts
     at once, and the write is acknowledged only after that fsync covers it."""
     fsync_ms = 80
-    net = Network(3, seed, external_snapshots=True, deferred_sync=True, fsync_ms=(fsync_ms, fsync_ms))
+    net = Network(3, seed, external_snapshots=True, deferred_sync=True,
+                  fsync_ms=(fsync_ms, fsync_ms))
     work = Workload(net, random.Random(seed), at_master=True, timeout_ms=10_000)
     m = elect(net)
     settle(net)
