@@ -20,8 +20,10 @@ run: $(STAMP)
 single: $(STAMP)
 	$(VENV)/bin/qserver run $(if $(CONFIG),--config $(CONFIG))
 
-## test: the whole test suite
+## test: lint (ruff), types (mypy), then the whole test suite; settings in pyproject.toml
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 ## bench: throughput and latency of one node against the no-op floor
