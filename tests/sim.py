@@ -63,7 +63,10 @@ it becomes master itself.
 every timer (`Network.observe`):
 1. at most one master per vote_id;
 2. a node that becomes master holds every entry committed so far under
-   earlier vote_ids;
+   earlier vote_ids, i.e. by a master of an earlier vote_id (Raft's
+   leader completeness): the epoch of the commit, not the entry's own
+   vote_id, which may be older (a master's Noop commits the entries of
+   earlier epochs before it);
 3. log matching: every (trans_id, vote_id) ever written names one entry,
    whose predecessor always has the same vote_id (so, by induction, two
    logs holding the same (trans_id, vote_id) are identical up to it);
@@ -901,6 +904,10 @@ class Checker:
     def __init__(self, net: Network) -> None:
         self.net = net
         self.committed: list[Record] = []  # the global committed sequence; [t - 1] is trans_id t
+        # [t - 1]: the vote_id under which trans_id t was committed (that of
+        # the node first seen to commit it: its master, whose vote_id a
+        # slave that learns the commit from it shares); >= the entry's own
+        self.commit_votes: list[int] = []
         # (t, v) -> (entry, vote at t-1)
         self.written: dict[tuple[int, int], tuple[object, int | None]] = {}
         self.ref = Store(queue_size=net.queue_size, virtual_queues=net.virtual_queues)
@@ -1022,6 +1029,7 @@ class Checker:
                               f"but {known} was committed there")
             elif t == len(committed) + 1:
                 committed.append(record)
+                self.commit_votes.append(core.vote_id)
                 for listener in self.listeners:
                     listener(record)
             else:
@@ -1050,13 +1058,19 @@ class Checker:
             self.fail(f"invariant 2: new master {node.node_id} has a log base {base} that is "
                       f"not a committed position (committed end {len(committed)})")
         vote_id = node.core.vote_id
+        commit_votes = self.commit_votes
         for t in range(base + 1, len(committed) + 1):
+            if commit_votes[t - 1] >= vote_id:
+                # Committed under a later vote_id (or ours): this master is
+                # stale (it won an old election whose votes reached it late,
+                # e.g. after a pause) and can neither commit nor confirm a
+                # read. The entry's own vote_id may be earlier than ours:
+                # entries of vote 3 that only the master of vote 3 held,
+                # committed by the Noop of that node as master of vote 5,
+                # are not in the log of a master of vote 4 that a voter
+                # lacking them elected (seed 6346).
+                continue
             known = committed[t - 1]
-            if known.vote_id >= vote_id:
-                # Committed under a later vote_id: this master is stale (it
-                # won an old election whose votes reached it late, e.g. after
-                # a pause) and can neither commit nor confirm a read.
-                break
             record = log.get(t)
             if (record is None or record.vote_id != known.vote_id
                     or not same(record.entry, known.entry)):

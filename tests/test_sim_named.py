@@ -831,3 +831,59 @@ def test_a_stale_snapshot_file_read_with_the_new_masters_in_one_turn(seed):
     m = settle(net)
     assert m == c and net.core(s).store.to_wire() == net.core(m).store.to_wire()
     work.final_check(m)
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(4))
+def test_stale_master_elected_late_need_not_hold_entries_a_later_master_committed(seed,
+                                                                                  production):
+    """Master A of vote v, cut off, appends entries that only it holds,
+    and crashes. B asks for vote v + 1 and is paused (SIGSTOP) right away;
+    C grants it (C lacks A's entries too), and the grant waits in B's
+    socket buffer. A restarts and wins vote v + 2 with C's vote (its log is
+    newer than C's); its Noop commits A's entries of vote v along with it.
+    B resumes, reads C's grant first and becomes master of v + 1: a stale
+    master, whose log lacks those entries of vote v. That is no breach of
+    invariant 2: they were committed under vote v + 2, later than B's (a
+    majority had not stored them when C voted for B), and B can neither
+    commit nor confirm a read; the first message of vote v + 2 it reads
+    deposes it. Found as seed 6346 of run_schedule (3 nodes, quorum,
+    production): the Checker took an entry's own vote_id for the one
+    under which it was committed, and failed here."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    a = elect(net)
+    settle(net)
+    v = net.core(a).vote_id
+    net.isolate(a)
+    lost: list = []
+    for k in range(4):
+        produce(net, a, "q", f"only-on-a{k}", lost)
+    a_last = net.core(a).log.last_position()
+    assert a_last[0] == v
+    net.crash(a, keep_unsynced=True)
+    net.heal()
+
+    assert net.run_until(lambda: any(net.core(i).role is Role.CANDIDATE
+                                     for i in net.ids if i != a), 10 * E)
+    b = next(i for i in net.ids if i != a and net.core(i).role is Role.CANDIDATE)
+    c = next(i for i in net.ids if i not in (a, b))
+    assert net.core(b).vote_id == v + 1
+    net.pause(b)
+    assert net.run_until(lambda: net.core(c).voted_for == b and net.core(c).vote_id == v + 1,
+                         2 * E)
+    assert net.core(c).log.last_position() < a_last and net.core(b).log.last_position() < a_last
+
+    net.start(a)
+    assert net.run_until(lambda: net.core(a).role is Role.MASTER
+                         and net.core(a).commit_id > a_last[1], 20 * E)
+    va = net.core(a).vote_id
+    assert va > v + 1
+    committed, commit_votes = net.checker.committed, net.checker.commit_votes
+    assert [r.vote_id for r in committed[a_last[1] - 4:a_last[1]]] == [v] * 4
+    assert commit_votes[a_last[1] - 4:a_last[1]] == [va] * 4
+
+    net.resume(b)  # reads C's grant first: master of v + 1 (the Checker must not fail)
+    assert net.run_until(lambda: b in net.masters_by_vote.get(v + 1, ()), E)
+    assert net.run_until(lambda: net.core(b).role is not Role.MASTER, E)
+    m = settle(net)
+    assert m == a and {f"only-on-a{k}" for k in range(4)} <= log_data(net, b)
