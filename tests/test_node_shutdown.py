@@ -62,12 +62,15 @@ async def start_node() -> tuple[Node, HeldEngine]:
     return node, engine
 
 
-async def produce_two(port: int):
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def two_answers_owed():
+    """A node, and a client that pipelined two produces the node owes."""
+    node, engine = await start_node()
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.address[1])
     for seq in (1, 2):
         writer.write(json.dumps({"action": 1, "queue": "q", "data": "x", "seq": seq}).encode())
     await writer.drain()
-    return reader, writer
+    await until(lambda: len(engine.held) == 2, "both produces proposed")
+    return node, engine, reader, writer
 
 
 def test_shutdown_ends_when_the_last_owed_answer_is_written(monkeypatch):
@@ -75,9 +78,7 @@ def test_shutdown_ends_when_the_last_owed_answer_is_written(monkeypatch):
     monkeypatch.setattr(qserver.node, "SHUTDOWN_GRACE_S", 3600.0)
 
     async def main():
-        node, engine = await start_node()
-        reader, writer = await produce_two(node.address[1])
-        await until(lambda: len(engine.held) == 2, "both produces proposed")
+        node, engine, reader, writer = await two_answers_owed()
         shutdown = asyncio.create_task(node.shutdown())
         await asyncio.sleep(0.2)
         assert not shutdown.done()  # two answers are owed
@@ -96,9 +97,7 @@ def test_shutdown_gives_up_after_the_grace_period(monkeypatch, caplog):
     monkeypatch.setattr(qserver.node, "SHUTDOWN_GRACE_S", 0.3)
 
     async def main():
-        node, engine = await start_node()
-        reader, writer = await produce_two(node.address[1])
-        await until(lambda: len(engine.held) == 2, "both produces proposed")
+        node, engine, reader, writer = await two_answers_owed()
         with caplog.at_level(logging.WARNING, logger="qserver.node"):
             await asyncio.wait_for(node.shutdown(), DEADLINE_S)
         assert "answers still owed" in caplog.text
@@ -113,9 +112,7 @@ def test_a_client_that_leaves_ends_the_wait(owed, monkeypatch):
     monkeypatch.setattr(qserver.node, "SHUTDOWN_GRACE_S", 3600.0)
 
     async def main():
-        node, engine = await start_node()
-        reader, writer = await produce_two(node.address[1])
-        await until(lambda: len(engine.held) == 2, "both produces proposed")
+        node, engine, reader, writer = await two_answers_owed()
         if not owed:
             engine.release()
             await until(lambda: all(c.idle for c in node.connections), "answers written")
