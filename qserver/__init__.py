@@ -1,10 +1,12 @@
 """qserver: a replicated message-queue daemon that speaks queue_server's
 JSON protocol.
 
-Layout: `store` (the queue state machine), `entries` and `log` (the
-replicated log), `requests` and `protocol` (the client wire codec),
-`service` (requests to entries and answers), `replication` (engines),
-`server` (asyncio TCP/UDP adapters and the node lifecycle), `config`,
+Layout (README.md, "Layout"): `wire/` (the client codec and request
+validation) and `state/` (store, entries, log) do no I/O; `service`
+turns requests into entries and answers; `engines/` replicate the log
+(`base`: the Engine protocol; `native/`, `raft/`, `local`); `server` holds
+the client TCP and UDP protocols, `node` the node's lifecycle; `storage/`
+keeps the log on disk; `client/` is the Python client; `config`, `errors`,
 `cli`.
 """
 

@@ -72,6 +72,12 @@ class Fsync(enum.Enum):
     OFF = "off"
 
 
+# fsync=batch, both engines (and a native master whose slaves make the
+# majority): how long written records wait at most before their fsync
+# starts (design.md: "batch within a few milliseconds").
+BATCH_SYNC_MS = 5
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerConfig:
     node_id: int

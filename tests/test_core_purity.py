@@ -112,6 +112,36 @@ def test_the_core_is_found_by_folder_and_by_marker():
             f"no module under qserver/engines/{engine}/ says {MARKER!r} in its docstring"
 
 
+def strict_mypy_modules() -> list[str]:
+    """The module patterns pyproject.toml gives mypy's strict flags."""
+    import tomllib
+
+    config = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
+    for override in config["tool"]["mypy"]["overrides"]:
+        if override.get("disallow_untyped_defs"):
+            return list(override["module"])
+    raise AssertionError("pyproject.toml gives no module mypy's strict flags")
+
+
+def test_the_core_is_what_mypy_checks_strictly():
+    """The two lists of the core cannot drift apart: a module that loses its
+    marker (and so these checks) still named in pyproject fails here, and
+    so does a new pure module that mypy does not check strictly."""
+    core = set(find_core())
+    patterns = strict_mypy_modules()
+
+    def matches(name: str, pattern: str) -> bool:
+        # mypy: "a.*" matches the package a and every module below it
+        if pattern.endswith(".*"):
+            return name == pattern[:-2] or name.startswith(pattern[:-1])
+        return name == pattern
+
+    assert sorted(n for n in core if not any(matches(n, p) for p in patterns)) == []
+    for pattern in patterns:
+        assert any(matches(n, pattern) for n in core), \
+            f"{pattern} (strict for mypy) is not in the core"
+
+
 @pytest.mark.parametrize("module", sorted(CORE))
 def test_core_module_does_no_io(module):
     tree = parse(CORE[module])

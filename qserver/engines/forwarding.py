@@ -6,8 +6,8 @@ keeps `respond` until the master's `ForwardReply` comes back. The client
 hears exactly one answer: the master's, or a failure that says the write's
 outcome is unknown (the master did not answer within the timeout, its link
 went down, or the node is shutting down). The timeout is FORWARD_TIMEOUT_S
-unless the request asks for another (a consume that the master may park,
-say).
+unless the caller passes another (`timeout_s`: for a consume that the
+master may park, say).
 
 Master side: `serve(peer_id, msg, handler)` hands the request to the
 node's service (the engine's `handle_forwarded`, set by the node) and sends

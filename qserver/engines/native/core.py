@@ -715,9 +715,12 @@ class NativeCore:
             common = min(t, log.last_trans_id)
             if common == t:
                 common -= 1
-            # (base < common <= last: vote_id_at(common) is never None)
-            while (common > log.base_trans_id and (vote := log.vote_id_at(common)) is not None
-                   and vote > msg.log_vote_id):
+            while common > log.base_trans_id:  # base < common <= last
+                vote = log.vote_id_at(common)
+                if vote is None:
+                    raise InvariantError(f"no entry at {common} inside the log")
+                if vote <= msg.log_vote_id:
+                    break
                 common -= 1
         if common < log.base_trans_id:
             # The slave's entry at our base (committed, compacted) differs:
@@ -851,9 +854,12 @@ class NativeCore:
             # (heartbeats restart a slow walk back from our last entry, and
             # it never ends).
             near = min(prev, log.last_trans_id)
-            # (base < near <= last: vote_id_at(near) is never None)
-            while (near > log.base_trans_id and (vote := log.vote_id_at(near)) is not None
-                   and vote > msg.prev_vote_id):
+            while near > log.base_trans_id:  # base < near <= last
+                vote = log.vote_id_at(near)
+                if vote is None:
+                    raise InvariantError(f"no entry at {near} inside the log")
+                if vote <= msg.prev_vote_id:
+                    break
                 near -= 1
             self._maybe_pull(now_ms, near=near)
             return

@@ -61,7 +61,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from ...config import Fsync
+from ...config import BATCH_SYNC_MS, Fsync
 from ...errors import InvariantError
 from ...storage import DiskStorage, KernelSync, StorageError
 from .core import OwnSync
@@ -69,11 +69,6 @@ from .core import OwnSync
 __all__ = ["Durability", "BATCH_SYNC_MS", "CLOSE_SYNC_WAIT_S"]
 
 log = logging.getLogger(__name__)
-
-# fsync=batch (and a deferring master whose slaves make the majority): how
-# long written records wait at most before their fsync starts (design.md:
-# "batch within a few milliseconds").
-BATCH_SYNC_MS = 5
 
 # At close, how long to wait for a sync in flight before leaving the log as a
 # crash would (a disk that no longer answers).

@@ -65,7 +65,7 @@ from pysyncobj.journal import FileJournal, MemoryJournal
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
-from ...config import Config, Fsync, Mode
+from ...config import BATCH_SYNC_MS, Config, Fsync, Mode
 from ...errors import InvariantError
 from ...state.entries import Entry, Noop
 from ...state.store import Store
@@ -91,9 +91,6 @@ log = logging.getLogger(__name__)
 # pysyncobj listens on the internal port + this (the internal port itself
 # carries the peer links used for forwarding). Documented in the README.
 RAFT_PORT_OFFSET = 1000
-
-# fsync="batch": the journal is fsynced at most this long after a write.
-BATCH_SYNC_MS = 5
 
 # How long pysyncobj's thread waits for the loop to hand it a snapshot of
 # the store before giving up (it retries at its next compaction).
@@ -239,7 +236,7 @@ def _raised_in_pysyncobj_thread(exc: BaseException) -> None:
 
 
 class _QueueSync(RaftAppends):
-    """The SyncObj (with Raft's append rules: raft_appends): one replicated
+    """The SyncObj (with Raft's append rules: appends.py): one replicated
     method, which hands each committed command to the engine. Holds no state
     of its own (snapshots come from the store, through the engine's
     serializer hooks)."""
@@ -588,7 +585,7 @@ class RaftEngine:
         for answer in answers:
             answer()
         role = self._role()
-        if role != self._last_role:
+        if role is not self._last_role:
             self._last_role = role
             log.info("node %d: %s in term %d", self.config.node_id, role.value, self._term())
 
