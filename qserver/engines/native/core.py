@@ -715,13 +715,7 @@ class NativeCore:
             common = min(t, log.last_trans_id)
             if common == t:
                 common -= 1
-            while common > log.base_trans_id:  # base < common <= last
-                vote = log.vote_id_at(common)
-                if vote is None:
-                    raise InvariantError(f"no entry at {common} inside the log")
-                if vote <= msg.log_vote_id:
-                    break
-                common -= 1
+            common = self._back_to_vote(common, msg.log_vote_id)
         if common < log.base_trans_id:
             # The slave's entry at our base (committed, compacted) differs:
             # a push from before the base cannot exist, only a snapshot helps.
@@ -823,6 +817,21 @@ class NativeCore:
 
     # -- replication: slave side -------------------------------------------
 
+    def _back_to_vote(self, t: int, vote_id: int) -> int:
+        """The last position at or before `t` (base < t <= last) whose entry
+        has a vote_id of at most `vote_id`, or the log's base: votes never
+        decrease along a log, so the entries after it are not in a log
+        whose entry there has `vote_id`."""
+        log = self.log
+        while t > log.base_trans_id:
+            vote = log.vote_id_at(t)
+            if vote is None:
+                raise InvariantError(f"no entry at {t} inside the log")
+            if vote <= vote_id:
+                break
+            t -= 1
+        return t
+
     def _handle_push(self, peer: _Peer, msg: Push, now_ms: int) -> None:
         if msg.vote_id < self.vote_id:
             # A deposed master: tell it our epoch so that it steps down.
@@ -853,14 +862,7 @@ class NativeCore:
             # its log: pull from before all of them, not one per round trip
             # (heartbeats restart a slow walk back from our last entry, and
             # it never ends).
-            near = min(prev, log.last_trans_id)
-            while near > log.base_trans_id:  # base < near <= last
-                vote = log.vote_id_at(near)
-                if vote is None:
-                    raise InvariantError(f"no entry at {near} inside the log")
-                if vote <= msg.prev_vote_id:
-                    break
-                near -= 1
+            near = self._back_to_vote(min(prev, log.last_trans_id), msg.prev_vote_id)
             self._maybe_pull(now_ms, near=near)
             return
         for record in records:
