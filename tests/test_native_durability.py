@@ -34,8 +34,9 @@ def record(trans_id: int, vote_id: int = 1) -> Record:
 
 
 class Node:
-    """A Durability on a data directory, with what it tells the core
-    (`synced`) and the driver (`failures`, `flushes`) recorded."""
+    """A Durability on a data directory, started on the running loop, with
+    what it tells the core (`synced`) and the driver (`failures`,
+    `flushes`) recorded."""
 
     def __init__(self, tmp_path, policy: Fsync = Fsync.ALWAYS) -> None:
         self.directory = tmp_path / "data"
@@ -47,6 +48,7 @@ class Node:
         self.durability = Durability(storage=self.storage, policy=policy, node_id=1,
                                      synced=self.synced.append, fail=self.failures.append,
                                      schedule_flush=self._schedule_flush)
+        self.durability.start(asyncio.get_running_loop())
 
     def _schedule_flush(self) -> None:
         self.flushes += 1
@@ -136,7 +138,6 @@ def run(coro) -> None:
 def test_before_send_syncs_on_the_loop_before_after_write_returns(tmp_path):
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         node.write(3)
         syncs = node.storage.syncs
         node.durability.after_write(OwnSync.BEFORE_SEND)
@@ -149,7 +150,6 @@ def test_before_send_syncs_on_the_loop_before_after_write_returns(tmp_path):
 def test_now_starts_a_sync_off_the_loop_at_once(tmp_path, sync_off_loop):
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         node.write(3)
         node.durability.after_write(OwnSync.NOW)
         assert node.durability.in_flight and node.synced == []  # the core hears when it ends
@@ -165,7 +165,6 @@ def test_may_wait_leaves_the_sync_to_the_batch_timer(tmp_path, monkeypatch):
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         node.write(2)
         node.durability.after_write(OwnSync.MAY_WAIT)
         assert await never(lambda: node.synced or node.durability.in_flight)
@@ -182,7 +181,6 @@ def test_the_batch_timer_syncs_every_write_since_it_was_armed_at_once(tmp_path, 
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         syncs = node.storage.syncs
         node.write(2)
         node.durability.after_write(OwnSync.MAY_WAIT)
@@ -201,7 +199,6 @@ def test_fsync_batch_syncs_by_its_timer_whatever_the_ready_says(tmp_path, monkey
 
     async def main() -> None:
         node = Node(tmp_path, Fsync.BATCH)
-        node.durability.start(asyncio.get_running_loop())
         node.write(2)
         node.durability.after_write(own_sync)
         assert node.synced == [] and not node.durability.in_flight
@@ -214,7 +211,6 @@ def test_fsync_batch_syncs_by_its_timer_whatever_the_ready_says(tmp_path, monkey
 def test_fsync_off_leaves_it_to_the_os(tmp_path, own_sync):
     async def main() -> None:
         node = Node(tmp_path, Fsync.OFF)
-        node.durability.start(asyncio.get_running_loop())
         node.write(2)
         syncs = node.storage.syncs
         node.durability.after_write(own_sync)
@@ -229,7 +225,6 @@ def test_a_sync_begun_before_a_truncation_does_not_vouch_for_records_after_it(
         tmp_path, sync_off_loop):
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         node.write(3)
         node.durability.after_write(OwnSync.NOW)  # covers 1..3 of vote 1
         node.storage.truncate_after(1)  # a new master's log replaces 2..3
@@ -249,7 +244,6 @@ def test_one_sync_at_a_time_and_one_more_for_what_came_meanwhile(tmp_path, monke
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         try:
             node.write(2)
             node.durability.after_write(OwnSync.NOW)
@@ -273,7 +267,6 @@ def test_close_waits_for_the_sync_in_flight(tmp_path, monkeypatch):
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         try:
             node.write(3)
             node.durability.after_write(OwnSync.NOW)
@@ -293,7 +286,6 @@ def test_close_after_a_failed_sync_leaves_the_log_as_a_crash_would(tmp_path, mon
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         node.write(3)
         node.durability.after_write(OwnSync.NOW)
         closing = asyncio.ensure_future(node.durability.close())
@@ -313,7 +305,6 @@ def test_close_gives_up_on_a_sync_that_never_ends(tmp_path, monkeypatch, caplog)
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         try:
             node.write(3)
             node.durability.after_write(OwnSync.NOW)
@@ -331,7 +322,6 @@ def test_after_a_halt_close_does_not_wait_and_abandons(tmp_path, monkeypatch):
 
     async def main() -> None:
         node = Node(tmp_path)
-        node.durability.start(asyncio.get_running_loop())
         try:
             node.write(3)
             node.durability.after_write(OwnSync.NOW)
