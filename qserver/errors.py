@@ -133,3 +133,24 @@ class NoLeader(ServerError):
     leader": an election in progress, or the node is cut off from the
     majority) for the whole retry time.
     """
+
+
+# -- receipts (protocol v2: confirm, nack, touch) ------------------------------
+
+__all__ += ["StaleReceipt", "NotInFlight"]
+
+
+class StaleReceipt(ServerError):
+    """Raised when a confirm, nack or touch named a receipt that is not the
+    message's current delivery (the message was delivered again since, was
+    confirmed, or is unknown): the server's reason "stale receipt". Nothing
+    changed; the delivery this receipt named is over.
+    """
+
+
+class NotInFlight(ServerError):
+    """Raised when a nack or touch named a message that is not delivered and
+    unconfirmed with its lease running (an unknown id, a message never
+    delivered, or one whose lease ran out): the server's reason "not in
+    flight". Nothing changed.
+    """

@@ -7,14 +7,53 @@
         with c.process("orders") as msg:       # confirmed if the block succeeds
             if msg is not None:
                 handle(msg.data)
+        for d in c.messages("orders", lease=30):   # long polls, no sleeping
+            try:
+                handle(d.data)                 # d.touch(lease=30) for more time
+            except Busy:
+                d.nack(delay=60)               # back in a minute
+            else:
+                d.confirm()                    # StaleReceipt if the lease ran out
 
 Methods: `produce` (returns the msg_id), `produce_ids` (returns {real queue:
 msg_id}, the way to see every message a virtual queue created),
-`produce_many`, `consume` (a `Message` or None), `confirm`, `monitor`,
-`list`, `leader`, and `request` for a raw request. Consumer helpers:
-`process(queue)` (one message, confirmed when the `with` block succeeds,
-left to the server's retry when it raises) and `messages(queue)` (an
-iterator of `Delivery` objects that work the same way).
+`produce_many`, `consume` (a `Delivery` or None; with `count=N` a list of
+up to N; `queues=[...]` takes from the first of several queues with a
+message; `wait=S` is a long poll, `lease=S` the time before an unconfirmed
+delivery comes back), `confirm` (by id, or with a `receipt`; returns
+whether a message was deleted), `nack`, `touch`, `show` (a message's state,
+or None), `peek`, `config`, `set_config`, `monitor`, `list`, `leader`, and
+`request` for a raw request. Consumer helpers: `process(queue)` (one
+message, confirmed when the `with` block succeeds, left to the server's
+retry when it raises) and `messages(queue)` (an iterator of `Delivery`
+objects that work the same way, fetched with long polls).
+
+Deliveries and receipts
+-----------------------
+A `Delivery` is a `Message` (queue, msg_id, data, deliveries, receipt) with
+`confirm()`, `nack(delay=)` and `touch(lease=)`, which send its receipt:
+they act on this delivery only. Once its lease (or the message's retry) has
+run out and the message was delivered again, they raise `StaleReceipt`
+instead of settling someone else's delivery; `nack` and `touch` of a
+message that is not in flight raise `NotInFlight`. A message delivered
+without a receipt (at-most-once, retry=0, or its last delivery before its
+ttl) is already gone from the server; its confirm by id finds nothing.
+Messages compare equal by queue, msg_id and data (a delivery equals the
+`Message` of the same message). `AsyncDelivery` is the same with
+coroutines.
+
+Long polls
+----------
+A consume with `wait` is held by the node until a message is deliverable
+(then answered at once) or `wait` seconds pass (then empty); the client
+allows `timeout` + `wait` for the answer. A long poll runs on a connection
+of its own (kept for the next long poll), so that a thread or task waiting
+for messages does not hold up the client's other calls. `messages()` and
+`process(wait=...)` repeat long polls of `long_poll` seconds (20 by
+default; halved while a node answers "wait out of range"); an empty answer
+that comes back early (a master that lost its role, a server without long
+polls) is followed by a new poll at once, then by pauses that double up to
+0.5 s, so that against an older server the helpers poll as before.
 
 Theory of operation
 -------------------
@@ -49,7 +88,10 @@ taken effect. A produce sent again may therefore be stored twice
 (at-least-once: the caller sees one msg_id, the other message is delivered
 too); a consume sent again may have delivered a message to the lost
 connection, which then comes back after its `retry` seconds (retry > 0) or
-is gone (retry = 0, at-most-once). Confirms are idempotent. A `produce_many`
+is gone (retry = 0, at-most-once). Confirms by id are idempotent; a confirm
+or nack with a receipt, sent again after its answer was lost, may find its
+own first sending done and raise `StaleReceipt` (a touch is simply done
+again). A long poll sent again waits again, on the next node. A `produce_many`
 whose connection dies mid-batch sends every unanswered item again on another
 node: each item is stored at least once, and the returned msg_ids are those
 of the answers received.
@@ -67,19 +109,33 @@ by tasks of one event loop (likewise). For parallel throughput use
 `produce_many` or one client per thread or task.
 
 Layout: `core` (the sans-I/O part: constants, `Message`, `parse_hosts`,
-request builders, time conversion, the exchange and the retry policy),
-`sync` (`Client`, `Delivery`), `aio` (`AsyncClient`, `AsyncDelivery`). The
-public API is what this package exports.
+request builders, time conversion, the reading of answers, the long-poll
+policy, the exchange and the retry policy), `sync` (`Client`, `Delivery`),
+`aio` (`AsyncClient`, `AsyncDelivery`). The public API is what this package
+exports.
 """
 
 from __future__ import annotations
 
+from ..errors import (
+    ClientConnectionError,
+    ClientTimeout,
+    InvalidArgument,
+    NoLeader,
+    NotInFlight,
+    QServerClientError,
+    QueueFull,
+    ServerError,
+    StaleReceipt,
+)
 from .aio import AsyncClient, AsyncDelivery
 from .core import (
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
+    LONG_POLL_S,
     Message,
+    consume_request,
     parse_hosts,
     produce_request,
 )
@@ -93,7 +149,19 @@ __all__ = [
     "AsyncDelivery",
     "parse_hosts",
     "produce_request",
+    "consume_request",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_RETRY_FOR_S",
     "DEFAULT_WINDOW",
+    "LONG_POLL_S",
+    # the errors the client raises (also in qserver.errors)
+    "QServerClientError",
+    "InvalidArgument",
+    "ClientConnectionError",
+    "ClientTimeout",
+    "ServerError",
+    "QueueFull",
+    "NoLeader",
+    "StaleReceipt",
+    "NotInFlight",
 ]

@@ -1,6 +1,6 @@
 """The asyncio client: `AsyncClient` (asyncio streams) and its
-`AsyncDelivery`, the twin of `sync.Client`; the exchange and retry logic are
-`core`'s."""
+`AsyncDelivery`, the twins of `sync.Client` and `sync.Delivery`; the
+exchange, retry and long-poll logic are `core`'s."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import overload
 
 from ..errors import (
     ClientConnectionError,
@@ -21,28 +23,42 @@ from .core import (
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
-    POLL_MAX_S,
-    POLL_MIN_S,
+    LONG_POLL_S,
+    MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
     Message,
     _BrokenStream,
     _checked,
+    _consumed,
     _describe,
     _Exchange,
+    _found,
     _item_request,
     _leader_fields,
     _Lines,
-    _message,
+    _long_poll_s,
     _monitor_request,
+    _new_fields,
+    _Polling,
     _produce_many_ids,
     _produced_ids,
     _raw_answer,
     _raw_request,
     _result_fields,
     _Router,
+    _shown,
+    config_request,
+    confirm_request,
+    consume_request,
+    nack_request,
     parse_hosts,
+    peek_request,
     produce_request,
+    request_wait_s,
+    shorter_long_poll,
+    show_request,
+    touch_request,
 )
 
 
@@ -67,17 +83,38 @@ class _AsyncConnection:
         self.writer.close()
 
 
+class _AsyncLane:
+    """As `sync._Lane`: a connection and the router that picks its node."""
+
+    __slots__ = ("conn", "router", "generation")
+
+    def __init__(self, router: _Router, conn: _AsyncConnection | None = None,
+                 generation: int = 0) -> None:
+        self.conn = conn
+        self.router = router
+        self.generation = generation
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 class AsyncClient:
     """The asyncio twin of `Client`: the same constructor and methods, as
-    coroutines; `async with AsyncClient(...) as c:`; `await c.close()`."""
+    coroutines; `async with AsyncClient(...) as c:`; `await c.close()`.
+    Calls of several tasks are serialized on one connection, except long
+    polls, which run on connections of their own."""
 
     def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S) -> None:
+                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S) -> None:
         self.timeout = timeout
-        self._router = _Router(parse_hosts(hosts), retry_for)
-        self._conn: _AsyncConnection | None = None
+        self.long_poll = _long_poll_s(long_poll)
+        self._main = _AsyncLane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # the main lane: one exchange at a time
+        self._idle_polls: list[_AsyncConnection] = []
+        self._generation = 0  # as Client._generation
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -86,18 +123,18 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connection (a later call opens a new one)."""
-        self._drop()
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Close the connections (a later call opens a new one); a long poll
+        under way in another task closes its own when it ends."""
+        self._main.drop()
+        self._generation += 1
+        idle, self._idle_polls = self._idle_polls, []
+        for conn in idle:
+            conn.close()
 
     @property
     def address(self) -> Address:
         """The node the client talks to (or will try next)."""
-        return self._router.address
+        return self._main.router.address
 
     async def request(self, obj: dict) -> dict:
         """As `Client.request`."""
@@ -108,7 +145,8 @@ class AsyncClient:
         return _checked(await self._one(obj))
 
     async def _one(self, obj: dict) -> dict:
-        answer = (await self._exchange([obj], 1, stop_on_error=True))[0]
+        answer = (await self._exchange([obj], 1, stop_on_error=True,
+                                       wait_s=request_wait_s(obj)))[0]
         assert answer is not None  # a lone request is answered once the exchange finishes
         return answer
 
@@ -124,7 +162,7 @@ class AsyncClient:
         return _produced_ids(queue, response)
 
     async def produce_many(self, items: Iterable[dict], *,
-                           window: int = DEFAULT_WINDOW) -> list[int]:
+                           window: int = DEFAULT_WINDOW) -> builtins.list[int]:
         """As `Client.produce_many`."""
         if window < 1:
             raise InvalidArgument("window must be at least 1")
@@ -135,19 +173,69 @@ class AsyncClient:
         results = await self._exchange(requests, window, stop_on_error=True)
         return _produce_many_ids(results)
 
-    async def consume(self, queue: str) -> Message | None:
-        """As `Client.consume`."""
-        return _message(queue, await self._call({"action": 2, "queue": queue}))
+    @overload
+    async def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                      count: None = None, wait: object = None,
+                      lease: object = None) -> AsyncDelivery | None: ...
+    @overload
+    async def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                      count: int, wait: object = None,
+                      lease: object = None) -> builtins.list[AsyncDelivery]: ...
 
-    async def confirm(self, queue: str, msg_id: int) -> None:
+    async def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                      count: int | None = None, wait: object = None,
+                      lease: object = None) -> AsyncDelivery | None | builtins.list[AsyncDelivery]:
+        """As `Client.consume`: an `AsyncDelivery` or None, or with `count`
+        a list of them."""
+        request = consume_request(queue, queues=queues, count=count, wait=wait, lease=lease)
+        deliveries = await self._deliveries(request)
+        if count is not None:
+            return deliveries
+        return deliveries[0] if deliveries else None
+
+    async def _deliveries(self, request: dict) -> builtins.list[AsyncDelivery]:
+        response = await self._one(request)
+        return [AsyncDelivery(client=self, **fields) for fields in _consumed(request, response)]
+
+    async def confirm(self, queue: str, msg_id: int, *, receipt: str | None = None) -> bool:
         """As `Client.confirm`."""
-        await self._call({"action": 3, "queue": queue, "msg_id": msg_id})
+        return _found(await self._call(confirm_request(queue, msg_id, receipt)))
+
+    async def nack(self, queue: str, msg_id: int, *, receipt: str | None = None,
+                   delay: object = None) -> dict:
+        """As `Client.nack`."""
+        request = nack_request(queue, msg_id, receipt, delay)
+        return _new_fields(request, await self._one(request))
+
+    async def touch(self, queue: str, msg_id: int, *, receipt: str | None = None,
+                    lease: object = None) -> float:
+        """As `Client.touch`."""
+        response = await self._call(touch_request(queue, msg_id, receipt, lease))
+        return float(response["retry_at"])
+
+    async def show(self, queue: str, msg_id: int) -> dict | None:
+        """As `Client.show`."""
+        return _shown(await self._one(show_request(queue, msg_id)))
+
+    async def peek(self, queue: str, count: int = 1) -> builtins.list[dict]:
+        """As `Client.peek`."""
+        return (await self._call(peek_request(queue, count)))["messages"]
+
+    async def config(self, queue: str) -> dict:
+        """As `Client.config`."""
+        return (await self._call(config_request(queue)))["config"]
+
+    async def set_config(self, queue: str, **settings: object) -> dict:
+        """As `Client.set_config`."""
+        if not settings:
+            raise InvalidArgument("set_config needs at least one setting")
+        return (await self._call(config_request(queue, settings)))["config"]
 
     async def monitor(self, queue: str | None = None, *, local: bool = False) -> dict:
         """As `Client.monitor`."""
         return _result_fields(await self._call(_monitor_request(queue, local)))
 
-    async def list(self, pattern: str = "") -> list[dict]:
+    async def list(self, pattern: str = "") -> builtins.list[dict]:
         """As `Client.list`."""
         return (await self._call({"action": 7, "pattern": pattern}))["queue_list"]
 
@@ -156,100 +244,153 @@ class AsyncClient:
         return _leader_fields(await self._call({"action": 8}))
 
     @asynccontextmanager
-    async def process(self, queue: str, *, wait: float = 0.0) -> AsyncIterator[Message | None]:
+    async def process(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                      wait: float = 0.0,
+                      lease: object = None) -> AsyncIterator[AsyncDelivery | None]:
         """As `Client.process`: `async with client.process(q) as msg:`."""
-        message = await self._wait_consume(queue, wait)
-        yield message
-        if message is not None:
-            await self.confirm(message.queue, message.msg_id)
+        request = consume_request(queue, queues=queues, lease=lease)
+        got = await self._wait_deliveries(request, wait)
+        delivery = got[0] if got else None
+        yield delivery
+        if delivery is not None:
+            await delivery.confirm()
 
-    async def messages(self, queue: str, *,
+    async def messages(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                       count: int | None = None, lease: object = None,
                        stop_when_empty: bool = False) -> AsyncIterator[AsyncDelivery]:
         """As `Client.messages`: `async for d in client.messages(q):` then
         `async with d as msg:`."""
-        pause = POLL_MIN_S
+        request = consume_request(queue, queues=queues, count=count, lease=lease)
+        polling = _Polling()
         while True:
-            message = await self.consume(queue)
-            if message is not None:
-                pause = POLL_MIN_S
-                yield AsyncDelivery(self, message)
-            elif stop_when_empty:
-                return
+            if stop_when_empty:
+                got = await self._deliveries(request)
+                if not got:
+                    return
             else:
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, POLL_MAX_S)
+                got = await self._long_poll(request, self.long_poll, polling)
+            for delivery in got:
+                yield delivery
 
-    async def _wait_consume(self, queue: str, wait: float) -> Message | None:
-        end = time.monotonic() + wait
-        pause = POLL_MIN_S
+    async def _long_poll(self, request: dict, wait_s: float,
+                         polling: _Polling) -> builtins.list[AsyncDelivery]:
+        """As `Client._long_poll`."""
         while True:
-            message = await self.consume(queue)
-            left = end - time.monotonic()
-            if message is not None or left <= 0:
-                return message
-            await asyncio.sleep(min(pause, left))
-            pause = min(pause * 2, POLL_MAX_S)
-
-    async def _exchange(self, requests: Sequence[dict], window: int, *,
-                        stop_on_error: bool) -> builtins.list[dict | None]:
-        # (builtins.list: in this class, `list` is the method.)
-        async with self._lock:
-            ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
-            router = self._router
-            router.begin()
-            error: Exception | None
-            while not ex.finished:
-                if ex.halted:
-                    self._drop()
-                    if ex.redirect is not None:
-                        error = ServerError(-2, f"too many redirects (last to "
-                                                f"{_describe(ex.redirect)})")
-                        delay = router.redirected(ex.redirect, error, time.monotonic())
-                    else:
-                        # Halted but not finished: no refusal stopped the
-                        # exchange (it would be finished once idle), so a
-                        # retriable refusal halted it.
-                        assert ex.retry_error is not None
-                        delay = router.failed(ex.retry_error, time.monotonic())
-                    ex.resume()
-                    await asyncio.sleep(delay)
-                    continue
-                address = router.address
-                answered = ex.answered
-                try:
-                    if self._conn is None or self._conn.address != address:
-                        self._drop()
-                        self._conn = await _AsyncConnection.open(address, self.timeout)
-                    await self._pump(self._conn, ex)
-                    error = None
-                except TimeoutError:
-                    error = ClientTimeout(
-                        f"{_describe(address)}: no answer within {self.timeout} s")
-                except (OSError, _BrokenStream) as exc:
-                    error = ClientConnectionError(f"{_describe(address)}: {exc}")
-                except BaseException:
-                    # Cancelled: answers may still be due on this connection;
-                    # a later call must not read them.
-                    self._drop()
+            wait_s = min(wait_s, self.long_poll)
+            asked = dict(request, wait=wait_s) if wait_s > 0 else request
+            start = time.monotonic()
+            try:
+                got = await self._deliveries(asked)
+            except ServerError as exc:
+                shorter = shorter_long_poll(wait_s, exc)
+                if shorter is None:
                     raise
-                if ex.answered > answered:
-                    router.begin()
-                if error is not None:
-                    self._drop()
-                    ex.connection_lost()
-                    await asyncio.sleep(router.failed(error, time.monotonic()))
-            return ex.results
+                self.long_poll = min(self.long_poll, shorter)
+                continue
+            pause = polling.pause_after(bool(got), wait_s, time.monotonic() - start)
+            if pause:
+                await asyncio.sleep(pause)
+            return got
 
-    async def _pump(self, conn: _AsyncConnection, ex: _Exchange) -> None:
+    async def _wait_deliveries(self, request: dict,
+                               wait: float) -> builtins.list[AsyncDelivery]:
+        end = time.monotonic() + wait
+        polling = _Polling()
+        while True:
+            got = await self._long_poll(request, max(0.0, end - time.monotonic()), polling)
+            if got or time.monotonic() >= end:
+                return got
+
+    async def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
+                        wait_s: float = 0.0) -> builtins.list[dict | None]:
+        # (builtins.list: in this class, `list` is the method.)
+        if not wait_s:
+            async with self._lock:
+                return await self._run(self._main, requests, window, stop_on_error, 0.0)
+        lane = self._poll_lane()
+        try:
+            return await self._run(lane, requests, window, stop_on_error, wait_s)
+        finally:
+            self._end_poll(lane)
+
+    def _poll_lane(self) -> _AsyncLane:
+        """As `Client._poll_lane`."""
+        address = self._main.router.address
+        conns = self._idle_polls
+        i = next((i for i, c in enumerate(conns) if c.address == address), None)
+        conn = conns.pop(i) if i is not None else None
+        router = _Router(self._main.router.addresses, self._main.router.retry_for_s, address)
+        return _AsyncLane(router, conn, self._generation)
+
+    def _end_poll(self, lane: _AsyncLane) -> None:
+        """As `Client._end_poll`."""
+        conn, lane.conn = lane.conn, None
+        if conn is None:
+            return
+        if (lane.generation == self._generation
+                and len(self._idle_polls) < MAX_IDLE_POLL_CONNECTIONS):
+            self._idle_polls.append(conn)
+        else:
+            conn.close()
+
+    async def _run(self, lane: _AsyncLane, requests: Sequence[dict], window: int,
+                   stop_on_error: bool, wait_s: float) -> builtins.list[dict | None]:
+        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
+        router = lane.router
+        router.begin()
+        error: Exception | None
+        while not ex.finished:
+            if ex.halted:
+                lane.drop()
+                if ex.redirect is not None:
+                    error = ServerError(-2, f"too many redirects (last to "
+                                            f"{_describe(ex.redirect)})")
+                    delay = router.redirected(ex.redirect, error, time.monotonic())
+                else:
+                    # Halted but not finished: no refusal stopped the
+                    # exchange (it would be finished once idle), so a
+                    # retriable refusal halted it.
+                    assert ex.retry_error is not None
+                    delay = router.failed(ex.retry_error, time.monotonic())
+                ex.resume()
+                await asyncio.sleep(delay)
+                continue
+            address = router.address
+            answered = ex.answered
+            timeout_s = self.timeout + wait_s
+            try:
+                if lane.conn is None or lane.conn.address != address:
+                    lane.drop()
+                    lane.conn = await _AsyncConnection.open(address, self.timeout)
+                await self._pump(lane.conn, ex, timeout_s)
+                error = None
+            except TimeoutError:
+                error = ClientTimeout(f"{_describe(address)}: no answer within {timeout_s} s")
+            except (OSError, _BrokenStream) as exc:
+                error = ClientConnectionError(f"{_describe(address)}: {exc}")
+            except BaseException:
+                # Cancelled: answers may still be due on this connection;
+                # a later call must not read them.
+                lane.drop()
+                raise
+            if ex.answered > answered:
+                router.begin()
+            if error is not None:
+                lane.drop()
+                ex.connection_lost()
+                await asyncio.sleep(router.failed(error, time.monotonic()))
+        return ex.results
+
+    async def _pump(self, conn: _AsyncConnection, ex: _Exchange, timeout_s: float) -> None:
         """As `Client._pump`: writes go to the transport's buffer (bounded by
-        the window), reads wait at most `timeout`."""
+        the window), reads wait at most `timeout_s`."""
         while True:
             out = ex.take()
             if out:
                 conn.writer.write(out)
             elif ex.idle:
                 return
-            async with asyncio.timeout(self.timeout):  # see _AsyncConnection.open
+            async with asyncio.timeout(timeout_s):  # see _AsyncConnection.open
                 data = await conn.reader.read(RECV_SIZE)
             if not data:
                 raise ConnectionError("connection closed by the node")
@@ -257,18 +398,36 @@ class AsyncClient:
                 ex.feed(response)
 
 
-class AsyncDelivery:
-    """As `Delivery`, for `async with`."""
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class AsyncDelivery(Message):
+    """As `Delivery`, with coroutines: `await d.confirm()`, `await
+    d.nack(delay)`, `await d.touch(lease)`, and `async with d as msg:`."""
 
-    __slots__ = ("client", "message")
+    client: AsyncClient = field(repr=False)
 
-    def __init__(self, client: AsyncClient, message: Message) -> None:
-        self.client = client
-        self.message = message
+    @property
+    def message(self) -> Message:
+        """The delivery itself (it is a `Message`); kept for older code."""
+        return self
 
-    async def __aenter__(self) -> Message:
-        return self.message
+    async def confirm(self) -> bool:
+        """As `Delivery.confirm`."""
+        return await self.client.confirm(self.queue, self.msg_id, receipt=self.receipt)
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def nack(self, delay: object = None) -> dict:
+        """As `Delivery.nack`."""
+        return await self.client.nack(self.queue, self.msg_id, receipt=self.receipt,
+                                      delay=delay)
+
+    async def touch(self, lease: object = None) -> float:
+        """As `Delivery.touch`."""
+        return await self.client.touch(self.queue, self.msg_id, receipt=self.receipt,
+                                       lease=lease)
+
+    async def __aenter__(self) -> AsyncDelivery:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: object,
+                        tb: object) -> None:
         if exc_type is None:
-            await self.client.confirm(self.message.queue, self.message.msg_id)
+            await self.confirm()

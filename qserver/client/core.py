@@ -1,10 +1,11 @@
 """The sans-I/O part of the client (see the `qserver.client` docstring for
 the theory of operation): constants, `Message`, `parse_hosts`, the request
-builders and time conversion, the reading of answers, and the exchange
-(`_Exchange`), the retry policy (`_Router`) and the answer framing
-(`_Lines`) that both drivers, `sync.Client` and `aio.AsyncClient`, run over
-their connections. Nothing here opens a socket or sleeps; the one clock read
-is `produce_request`'s default `now_s` (`time.time()`)."""
+builders and time conversion, the reading of answers, the long-poll policy
+of the consumer helpers (`_Polling`), and the exchange (`_Exchange`), the
+retry policy (`_Router`) and the answer framing (`_Lines`) that both
+drivers, `sync.Client` and `aio.AsyncClient`, run over their connections.
+Nothing here opens a socket or sleeps; the one clock read is
+`produce_request`'s default `now_s` (`time.time()`)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import orjson
 
 from ..errors import (
     InvalidArgument,
     NoLeader,
+    NotInFlight,
     QueueFull,
     ServerError,
+    StaleReceipt,
 )
 
 # How long one node may stay silent (connecting, or with requests in
@@ -54,11 +57,25 @@ BACKOFF_MAX_S = 1.0
 # each other during an election) redirects count as failures, with backoff.
 MAX_REDIRECTS = 5
 
-# Polling of the consumer helpers (the protocol has no blocking consume):
-# quick while messages flow, backing off to a few requests per second on an
-# idle queue.
+# The wait of each long poll of the consumer helpers (`messages`, `process`):
+# an idle consumer sends one request per LONG_POLL_S. Below the server's
+# default max_wait (30 s) and equal to SQS's largest WaitTimeSeconds; a node
+# whose max_wait is lower answers "wait out of range", and the client halves
+# its long poll (`shorter_long_poll`) down to MIN_LONG_POLL_S, then polls.
+LONG_POLL_S = 20.0
+MIN_LONG_POLL_S = 1.0
+
+# Pauses between polls when the server does not hold a long poll (a node
+# that predates long polls and ignores `wait`, or a node that answers its
+# parked consumes at once, again and again): quick at first, backing off to
+# a few requests per second (see `_Polling`).
 POLL_MIN_S = 0.01
 POLL_MAX_S = 0.5
+
+# Idle long-poll connections a client keeps for the next long poll (each
+# long poll runs on a connection of its own, see the package docstring):
+# one per thread or task that consumes at the same time, up to this.
+MAX_IDLE_POLL_CONNECTIONS = 8
 
 # Bytes asked of the socket per read.
 RECV_SIZE = 256 * 1024
@@ -75,6 +92,14 @@ OUTCOME_UNKNOWN_SUFFIX = "outcome unknown"
 # The server's reason for a full queue is "queue full: NAME" (state/store.py).
 QUEUE_FULL_PREFIX = "queue full:"
 
+# The server's reasons for the typed errors of receipts, for a show of a
+# message that is not there, and for a long poll over its max_wait
+# (protocol-v2.md; spec14.md).
+STALE_RECEIPT = "stale receipt"
+NOT_IN_FLIGHT = "not in flight"
+NO_SUCH_MESSAGE = "no such message"
+WAIT_OUT_OF_RANGE = "wait out of range"
+
 PRODUCE_KEYS = frozenset({"queue", "data", "delay", "ttl", "retry"})
 
 # Fields of an answer that echo the request or frame it, not its result.
@@ -83,13 +108,34 @@ _ECHO_FIELDS = ("action", "code", "seq", "queue", "pattern")
 Address = tuple[str, int]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Message:
-    """One consumed message."""
+    """One consumed message: the delivery of `data`, message `msg_id` of
+    `queue`. `deliveries` counts this delivery (1 the first time; None from
+    a server that does not count them); `receipt` names this delivery for
+    confirm, nack and touch (None for an at-most-once message or a last
+    delivery, which the server deleted as it delivered them, and from a
+    server without receipts).
+
+    Equal (and hashed) as the message, not the delivery: by queue, msg_id and
+    data. Two deliveries of one message are equal, whatever their receipts.
+    `sync.Delivery` and `aio.AsyncDelivery` are Messages that can confirm,
+    nack and touch themselves.
+    """
 
     queue: str
     msg_id: int
     data: str
+    deliveries: int | None = None
+    receipt: str | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return (self.queue, self.msg_id, self.data) == (other.queue, other.msg_id, other.data)
+
+    def __hash__(self) -> int:
+        return hash((self.queue, self.msg_id, self.data))
 
 
 # -- arguments to requests (no I/O) -----------------------------------------
@@ -195,6 +241,147 @@ def _item_request(item: object, index: int, now_s: float) -> dict:
         raise InvalidArgument(f"item {index}: {exc}") from None
 
 
+def _seconds(value: object, name: str, *, positive: bool) -> int | float | None:
+    """A duration argument (seconds or a timedelta) as wire seconds; None
+    for None. Sent as given (an int stays an int): the server takes
+    fractions of a second for these fields."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if not _is_number(value) or not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be seconds or a timedelta, not {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise InvalidArgument(f"{name} must be {'positive' if positive else 'at least 0'}")
+    return value
+
+
+def _receipt(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"receipt must be a string, not {type(value).__name__}")
+    return value
+
+
+def _queue_name(queue: object) -> str:
+    if not isinstance(queue, str):
+        raise InvalidArgument(f"queue must be a string, not {type(queue).__name__}")
+    return queue
+
+
+def consume_request(queue: object = None, *, queues: object = None, count: object = None,
+                    wait: object = None, lease: object = None) -> dict:
+    """The wire request of one consume, validated: from `queue`, or from the
+    first of `queues` (a list of names, in order) that has a deliverable
+    message. `count`: up to that many messages, and the answer's list form.
+    `wait`: seconds the server may hold the request while nothing is
+    deliverable (a long poll; 0 or None: answer at once). `lease`: seconds
+    until an unconfirmed at-least-once delivery comes back, instead of the
+    message's retry. Types and signs are checked here (`InvalidArgument`);
+    the server checks names and upper bounds (count 1000, 16 queues, its
+    max_wait)."""
+    obj: dict = {"action": 2}
+    if queues is None:
+        if queue is None:
+            raise InvalidArgument("give a queue, or several as queues=[...]")
+        if not isinstance(queue, str):
+            raise InvalidArgument(f"queue must be a string, not {type(queue).__name__} "
+                                  f"(several queues go in queues=[...])")
+        obj["queue"] = queue
+    else:
+        if queue is not None:
+            raise InvalidArgument("give queue or queues, not both")
+        if isinstance(queues, (str, bytes)) or not isinstance(queues, Iterable):
+            raise InvalidArgument("queues must be a list of queue names")
+        names = list(queues)
+        if not names:
+            raise InvalidArgument("queues must name at least one queue")
+        for name in names:
+            _queue_name(name)
+        obj["queues"] = names
+    if count is not None:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise InvalidArgument(f"count must be a positive integer, not {count!r}")
+        obj["count"] = count
+    wait_s = _seconds(wait, "wait", positive=False)
+    if wait_s:  # 0: answer at once, as a request without wait (and as old servers do)
+        obj["wait"] = wait_s
+    lease_s = _seconds(lease, "lease", positive=True)
+    if lease_s is not None:
+        obj["lease"] = lease_s
+    return obj
+
+
+def confirm_request(queue: object, msg_id: object, receipt: object = None) -> dict:
+    """The wire request of a confirm: by id (wherever the message is), or of
+    the delivery `receipt` names."""
+    obj = {"action": 3, "queue": _queue_name(queue), "msg_id": msg_id}
+    if _receipt(receipt) is not None:
+        obj["receipt"] = receipt
+    return obj
+
+
+def nack_request(queue: object, msg_id: object, receipt: object = None,
+                 delay: object = None) -> dict:
+    """The wire request of a nack (action 9). `delay`: seconds from now
+    (int, float or timedelta; default 0), an absolute unix time (a number >=
+    1,000,000,000, as on the wire) or a `datetime`; the server times it (a
+    relative delay is sent as given, not converted with this machine's
+    clock)."""
+    obj = {"action": 9, "queue": _queue_name(queue), "msg_id": msg_id}
+    if _receipt(receipt) is not None:
+        obj["receipt"] = receipt
+    if isinstance(delay, datetime):
+        obj["delay"] = delay.timestamp()  # naive: local time, as produce's
+    else:
+        delay_s = _seconds(delay, "delay", positive=False)
+        if delay_s:
+            obj["delay"] = delay_s
+    return obj
+
+
+def touch_request(queue: object, msg_id: object, receipt: object = None,
+                  lease: object = None) -> dict:
+    """The wire request of a touch (action 10): the delivery comes back
+    `lease` seconds from now (default: the message's retry)."""
+    obj = {"action": 10, "queue": _queue_name(queue), "msg_id": msg_id}
+    if _receipt(receipt) is not None:
+        obj["receipt"] = receipt
+    lease_s = _seconds(lease, "lease", positive=True)
+    if lease_s is not None:
+        obj["lease"] = lease_s
+    return obj
+
+
+def show_request(queue: object, msg_id: object) -> dict:
+    return {"action": 11, "queue": _queue_name(queue), "msg_id": msg_id}
+
+
+def peek_request(queue: object, count: object = 1) -> dict:
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise InvalidArgument(f"count must be a positive integer, not {count!r}")
+    return {"action": 12, "queue": _queue_name(queue), "count": count}
+
+
+def config_request(queue: object, settings: dict | None = None) -> dict:
+    """The wire request of action 5: a read, or a change of `settings` (the
+    server names an unknown setting or a bad value)."""
+    obj: dict = {"action": 5, "queue": _queue_name(queue)}
+    if settings:
+        try:
+            orjson.dumps(settings)
+        except TypeError as exc:
+            raise InvalidArgument(f"settings cannot be encoded as JSON: {exc}") from None
+        obj["set"] = dict(settings)
+    return obj
+
+
+def request_wait_s(obj: dict) -> float:
+    """The seconds a server may hold `obj` before answering (its `wait`, for
+    a consume): the driver waits that long more than its timeout."""
+    wait = obj.get("wait") if obj.get("action") == 2 else None
+    return float(wait) if _is_number(wait) and math.isfinite(wait) and wait > 0 else 0.0
+
+
 def server_error(response: dict, index: int | None = None) -> ServerError:
     """The typed exception for a refusing answer."""
     reason = str(response.get("reason", "unknown error"))
@@ -204,6 +391,10 @@ def server_error(response: dict, index: int | None = None) -> ServerError:
         cls = NoLeader
     elif reason.startswith(QUEUE_FULL_PREFIX):
         cls = QueueFull
+    elif reason == STALE_RECEIPT:
+        cls = StaleReceipt
+    elif reason == NOT_IN_FLIGHT:
+        cls = NotInFlight
     else:
         cls = ServerError
     return cls(code if isinstance(code, int) else -1, reason, response, index)
@@ -215,10 +406,45 @@ def _checked(response: dict) -> dict:
     return response
 
 
-def _message(queue: str, response: dict) -> Message | None:
-    if "msg_id" not in _checked(response):
+def _delivery_fields(item: dict, queue: object) -> dict[str, Any]:
+    deliveries = item.get("deliveries")
+    receipt = item.get("receipt")
+    return {"queue": item.get("queue", queue), "msg_id": item["msg_id"], "data": item["data"],
+            "deliveries": deliveries if type(deliveries) is int else None,
+            "receipt": receipt if isinstance(receipt, str) else None}
+
+
+def _consumed(request: dict, response: dict) -> list[dict[str, Any]]:
+    """The deliveries of a consume's answer, in delivery order, each as the
+    keyword arguments of a `Message`: queue, msg_id, data, deliveries,
+    receipt. Reads both forms: the list (`messages`, asked with `count`)
+    and the single message (`msg_id`, `data`), which is also what a server
+    that predates `count` answers to it."""
+    _checked(response)
+    queue = request.get("queue")
+    items = response.get("messages")
+    if isinstance(items, list):
+        return [_delivery_fields(item, queue) for item in items]
+    if "msg_id" not in response:
+        return []
+    return [_delivery_fields(response, queue)]
+
+
+def _found(response: dict) -> bool:
+    """A confirm's `found`; True from a server that does not say."""
+    return _checked(response).get("found") is not False
+
+
+def _new_fields(request: dict, response: dict) -> dict:
+    """What an answer adds to its request (answers echo the request)."""
+    _checked(response)
+    return {k: v for k, v in response.items() if k not in request and k not in ("code", "seq")}
+
+
+def _shown(response: dict) -> dict | None:
+    if response.get("code") == -1 and response.get("reason") == NO_SUCH_MESSAGE:
         return None
-    return Message(queue=queue, msg_id=response["msg_id"], data=response["data"])
+    return _checked(response)["message"]
 
 
 def _produced_ids(queue: str, response: dict) -> dict[str, int]:
@@ -271,6 +497,55 @@ def _produce_many_ids(results: list) -> list[int]:
         if response is not None and response.get("code") != 0:
             raise server_error(response, index)
     return [response["msg_id"] for response in results]
+
+
+# -- the consumer helpers' long polls (no I/O) -----------------------------------
+
+
+def _long_poll_s(value: object) -> float:
+    """A client's `long_poll` argument, checked."""
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"long_poll must be seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def shorter_long_poll(wait_s: float, error: ServerError) -> float | None:
+    """The long poll to try after `error` refused one of `wait_s` seconds:
+    half as long when the node's max_wait is lower ("wait out of range"),
+    0 (plain polls) below MIN_LONG_POLL_S; None when `error` is another
+    refusal (to be raised)."""
+    if error.reason != WAIT_OUT_OF_RANGE or wait_s <= 0:
+        return None
+    half = wait_s / 2
+    return half if half >= MIN_LONG_POLL_S else 0.0
+
+
+class _Polling:
+    """The pause before the consumer helpers' next long poll.
+
+    A long poll comes back empty when its wait is over, and then the next
+    one goes at once. An empty answer much sooner (in less than half the
+    wait, or to a request without wait) means the node could not hold it: a
+    master that lost its role answers its parked consumes at once (the next
+    poll finds the new master), a node that predates long polls ignores
+    `wait`, a node with max_wait 0 takes none. The first such answer is
+    followed by a new poll at once, each further one in a row by a pause
+    that doubles from POLL_MIN_S to POLL_MAX_S: against such a node the
+    helpers poll as they did before long polls, instead of spinning.
+    """
+
+    def __init__(self) -> None:
+        self._pause_s = 0.0  # the pause after the next early empty answer
+
+    def pause_after(self, delivered: bool, wait_s: float, took_s: float) -> float:
+        """Seconds to pause before the next poll, after one that asked to
+        wait `wait_s`, took `took_s` and `delivered` something or nothing."""
+        if delivered or (wait_s > 0 and took_s >= wait_s / 2):
+            self._pause_s = 0.0
+            return 0.0
+        pause = self._pause_s
+        self._pause_s = min(max(pause * 2, POLL_MIN_S), POLL_MAX_S)
+        return pause
 
 
 # -- the exchange and the retry policy (no I/O) --------------------------------
@@ -383,11 +658,17 @@ class _Router:
     """Which node to ask next and how long to keep trying (see the package
     docstring). Sticks to a node while it serves."""
 
-    def __init__(self, addresses: list[Address], retry_for_s: float) -> None:
+    def __init__(self, addresses: list[Address], retry_for_s: float,
+                 start: Address | None = None) -> None:
         self.addresses = addresses
         self.retry_for_s = retry_for_s
         self._i = 0
         self.redirect_to: Address | None = None
+        if start is not None:  # where another router is (a redirect's target, say)
+            if start in addresses:
+                self._i = addresses.index(start)
+            else:
+                self.redirect_to = start
         self.begin()
 
     @property

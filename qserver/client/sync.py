@@ -1,5 +1,5 @@
-"""The blocking client: `Client` (one socket, driven with `select`) and
-its `Delivery`; the exchange and retry logic are `core`'s."""
+"""The blocking client: `Client` (sockets driven with `select`) and its
+`Delivery`; the exchange, retry and long-poll logic are `core`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import overload
 
 from ..errors import (
     ClientConnectionError,
@@ -22,28 +24,42 @@ from .core import (
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
-    POLL_MAX_S,
-    POLL_MIN_S,
+    LONG_POLL_S,
+    MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
     Message,
     _BrokenStream,
     _checked,
+    _consumed,
     _describe,
     _Exchange,
+    _found,
     _item_request,
     _leader_fields,
     _Lines,
-    _message,
+    _long_poll_s,
     _monitor_request,
+    _new_fields,
+    _Polling,
     _produce_many_ids,
     _produced_ids,
     _raw_answer,
     _raw_request,
     _result_fields,
     _Router,
+    _shown,
+    config_request,
+    confirm_request,
+    consume_request,
+    nack_request,
     parse_hosts,
+    peek_request,
     produce_request,
+    request_wait_s,
+    shorter_long_poll,
+    show_request,
+    touch_request,
 )
 
 
@@ -58,23 +74,48 @@ class _Connection:
         self.sock.close()
 
 
+class _Lane:
+    """A connection (None until opened, or after a failure) and the router
+    that picks its node: the client's main lane, or one long poll's."""
+
+    __slots__ = ("conn", "router", "generation")
+
+    def __init__(self, router: _Router, conn: _Connection | None = None,
+                 generation: int = 0) -> None:
+        self.conn = conn
+        self.router = router
+        self.generation = generation
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 class Client:
     """A blocking qserver client over TCP (see the package docstring).
 
     `hosts`: "host:port" strings or (host, port) tuples, or one
     comma-separated string; any node of the cluster will do, several let the
     client survive the loss of one. `timeout`: seconds one node may stay
-    silent. `retry_for`: seconds of retrying (other nodes, no leader) before
-    raising. Connects on first use.
+    silent (a long poll's `wait` is added to it). `retry_for`: seconds of
+    retrying (other nodes, no leader) before raising. `long_poll`: the wait
+    of each long poll of `messages` and `process` (lowered by the client if
+    a node's max_wait is lower). Connects on first use.
     """
 
     def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S) -> None:
+                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S) -> None:
         self.timeout = timeout
-        self._router = _Router(parse_hosts(hosts), retry_for)
-        self._conn: _Connection | None = None
+        self.long_poll = _long_poll_s(long_poll)
+        self._main = _Lane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the main lane: one exchange at a time
+        self._polls_lock = threading.Lock()  # _idle_polls and _generation
+        self._idle_polls: list[_Connection] = []
+        # close() counts up: a long poll's connection opened before it is
+        # closed when the poll ends, not kept.
+        self._generation = 0
 
     def __enter__(self) -> Client:
         return self
@@ -83,15 +124,19 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the connection (a later call opens a new one)."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Close the connections (a later call opens a new one); a long poll
+        under way in another thread closes its own when it ends."""
+        self._main.drop()
+        with self._polls_lock:
+            self._generation += 1
+            idle, self._idle_polls = self._idle_polls, []
+        for conn in idle:
+            conn.close()
 
     @property
     def address(self) -> Address:
         """The node the client talks to (or will try next)."""
-        return self._router.address
+        return self._main.router.address
 
     # -- requests --------------------------------------------------------
 
@@ -102,7 +147,8 @@ class Client:
         connections): those raise `NoLeader`, `ServerError`,
         `ClientConnectionError` or `ClientTimeout` once the retry time is
         up. A `seq` in `obj` comes back in the answer (the client uses its
-        own on the wire)."""
+        own on the wire). A consume with `wait` is a long poll (see
+        `consume`)."""
         obj, user_seq = _raw_request(obj)
         return _raw_answer(self._one(obj), user_seq)
 
@@ -110,7 +156,7 @@ class Client:
         return _checked(self._one(obj))
 
     def _one(self, obj: dict) -> dict:
-        answer = self._exchange([obj], 1, stop_on_error=True)[0]
+        answer = self._exchange([obj], 1, stop_on_error=True, wait_s=request_wait_s(obj))[0]
         assert answer is not None  # a lone request is answered once the exchange finishes
         return answer
 
@@ -147,14 +193,105 @@ class Client:
             return []
         return _produce_many_ids(self._exchange(requests, window, stop_on_error=True))
 
-    def consume(self, queue: str) -> Message | None:
-        """The next ready message, or None when nothing is ready."""
-        return _message(queue, self._call({"action": 2, "queue": queue}))
+    @overload
+    def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                count: None = None, wait: object = None,
+                lease: object = None) -> Delivery | None: ...
+    @overload
+    def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                count: int, wait: object = None,
+                lease: object = None) -> builtins.list[Delivery]: ...
 
-    def confirm(self, queue: str, msg_id: int) -> None:
-        """Confirm a message (retry > 0) so it is not delivered again. An
-        unknown id is not an error (queue_server's rule)."""
-        self._call({"action": 3, "queue": queue, "msg_id": msg_id})
+    def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                count: int | None = None, wait: object = None,
+                lease: object = None) -> Delivery | None | builtins.list[Delivery]:
+        """Take the next deliverable message of `queue`, or of the first of
+        `queues` (names, in order) that has one.
+
+        Without `count`: the `Delivery` (a `Message` that can confirm, nack
+        and touch itself), or None when nothing is deliverable. With
+        `count`: a list of up to `count` deliveries, in delivery order,
+        empty when nothing is deliverable.
+
+        `wait` (seconds or a timedelta, at most the node's max_wait, 30 s by
+        default): a long poll; the node answers as soon as something is
+        deliverable, or empty after `wait`. It runs on a connection of its
+        own, so other threads' calls on this client go on meanwhile; the
+        client waits `timeout` + `wait` for the answer. `lease` (seconds >
+        0): an unconfirmed at-least-once delivery comes back after `lease`
+        instead of the message's retry.
+
+        Raises `InvalidArgument` (nothing sent), `ServerError` ("wait out of
+        range", a virtual queue, bad names...) and the connection errors.
+        """
+        request = consume_request(queue, queues=queues, count=count, wait=wait, lease=lease)
+        deliveries = self._deliveries(request)
+        if count is not None:
+            return deliveries
+        return deliveries[0] if deliveries else None
+
+    def _deliveries(self, request: dict) -> builtins.list[Delivery]:
+        response = self._one(request)
+        return [Delivery(client=self, **fields) for fields in _consumed(request, response)]
+
+    def confirm(self, queue: str, msg_id: int, *, receipt: str | None = None) -> bool:
+        """Confirm a message so that it is not delivered again; returns
+        whether a message was deleted (True from a server that does not
+        say). Without `receipt`: by id, wherever the message is, and an
+        unknown id is not an error (queue_server's rule). With the
+        `receipt` of a delivery: only while that delivery is the message's
+        current one; else `StaleReceipt` (the lease ran out and the message
+        was delivered again, or it was confirmed already)."""
+        return _found(self._call(confirm_request(queue, msg_id, receipt)))
+
+    def nack(self, queue: str, msg_id: int, *, receipt: str | None = None,
+             delay: object = None) -> dict:
+        """Give a delivered message back: deliverable again after `delay`
+        (seconds from now, a timedelta, a datetime or an absolute unix time;
+        default 0). Returns what the node answered: {"ready_at": unix
+        seconds}, or, when the nack made the message leave the queue (its
+        max_deliveries reached, or its ttl), {"dead_lettered": True,
+        "dead_letter": queue} or {"deleted": True}. Raises `NotInFlight`
+        (not delivered, or its lease ran out) and `StaleReceipt`."""
+        request = nack_request(queue, msg_id, receipt, delay)
+        return _new_fields(request, self._one(request))
+
+    def touch(self, queue: str, msg_id: int, *, receipt: str | None = None,
+              lease: object = None) -> float:
+        """Extend a delivery: it comes back `lease` seconds from now
+        (default: the message's retry; never past its ttl) unless
+        confirmed. Returns the new time (`retry_at`, unix seconds). Raises
+        `NotInFlight` and `StaleReceipt`, as `nack`."""
+        return float(self._call(touch_request(queue, msg_id, receipt, lease))["retry_at"])
+
+    def show(self, queue: str, msg_id: int) -> dict | None:
+        """A message as the node holds it, or None when there is no such
+        message (consumed for good, confirmed, expired, never produced):
+        {msg_id, state ("delayed", "ready" or "in_flight"), data, priority,
+        ready_at, ttl, retry, retry_at, deliveries, nacks}, and for a dead
+        letter origin_queue, origin_msg_id and dead_letter_reason. Changes
+        nothing."""
+        return _shown(self._one(show_request(queue, msg_id)))
+
+    def peek(self, queue: str, count: int = 1) -> builtins.list[dict]:
+        """The next `count` messages a consume would deliver now, in that
+        order, as `show` gives them (each with its `queue`). Changes
+        nothing."""
+        return self._call(peek_request(queue, count))["messages"]
+
+    def config(self, queue: str) -> dict:
+        """The settings of `queue`: {max_deliveries, dead_letter} (see
+        `set_config`)."""
+        return self._call(config_request(queue))["config"]
+
+    def set_config(self, queue: str, **settings: object) -> dict:
+        """Change settings of `queue`, e.g. `max_deliveries=5` (0:
+        unlimited), `dead_letter="failed"` (None: none); returns all its
+        settings after the change. The change is replicated as a write.
+        Raises `ServerError` for an unknown setting or a bad value."""
+        if not settings:
+            raise InvalidArgument("set_config needs at least one setting")
+        return self._call(config_request(queue, settings))["config"]
 
     def monitor(self, queue: str | None = None, *, local: bool = False) -> dict:
         """The master's view of the cluster (and of `queue`, if given): the
@@ -162,7 +299,7 @@ class Client:
         the client talks to (action 104), never forwarded."""
         return _result_fields(self._call(_monitor_request(queue, local)))
 
-    def list(self, pattern: str = "") -> list[dict]:
+    def list(self, pattern: str = "") -> builtins.list[dict]:
         """The queues whose names contain `pattern`: [{name, size,
         wait_status}], sorted by name."""
         return self._call({"action": 7, "pattern": pattern})["queue_list"]
@@ -175,105 +312,170 @@ class Client:
     # -- consumer helpers -------------------------------------------------
 
     @contextmanager
-    def process(self, queue: str, *, wait: float = 0.0) -> Iterator[Message | None]:
-        """Consume one message for the `with` block: it is confirmed when the
-        block ends normally and left to the server's retry (not confirmed)
-        when the block raises. Gives None when nothing became ready within
-        `wait` seconds. Only retry > 0 messages come back; retry = 0 ones are
+    def process(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                wait: float = 0.0, lease: object = None) -> Iterator[Delivery | None]:
+        """Consume one message for the `with` block: it is confirmed (with
+        its receipt) when the block ends normally and left to the server's
+        retry (not confirmed) when the block raises. Gives None when nothing
+        became deliverable within `wait` seconds (long polls, however long
+        `wait` is). Only retry > 0 messages come back; retry = 0 ones are
         gone once consumed."""
-        message = self._wait_consume(queue, wait)
-        yield message
-        if message is not None:
-            self.confirm(message.queue, message.msg_id)
+        request = consume_request(queue, queues=queues, lease=lease)
+        got = self._wait_deliveries(request, wait)
+        delivery = got[0] if got else None
+        yield delivery
+        if delivery is not None:
+            delivery.confirm()
 
-    def messages(self, queue: str, *, stop_when_empty: bool = False) -> Iterator[Delivery]:
-        """Deliveries from `queue`, one per message, for use as
+    def messages(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
+                 count: int | None = None, lease: object = None,
+                 stop_when_empty: bool = False) -> Iterator[Delivery]:
+        """Deliveries from `queue` (or `queues`), one per message, for use as
 
             for delivery in client.messages("orders"):
                 with delivery as msg:
                     handle(msg)        # confirmed unless this raises
 
-        Waits for new messages (polling) unless `stop_when_empty`, which ends
-        at the first empty consume."""
-        pause = POLL_MIN_S
+        Waits for new messages with long polls of `long_poll` seconds
+        (nothing is sent meanwhile, and a message produced is delivered at
+        once) unless `stop_when_empty`, which ends at the first empty
+        consume. `count`: take up to that many per request; their leases
+        all run from the request, so a slow handler may see later ones come
+        back (use `lease`, or `delivery.touch()`)."""
+        request = consume_request(queue, queues=queues, count=count, lease=lease)
+        polling = _Polling()
         while True:
-            message = self.consume(queue)
-            if message is not None:
-                pause = POLL_MIN_S
-                yield Delivery(self, message)
-            elif stop_when_empty:
-                return
+            if stop_when_empty:
+                got = self._deliveries(request)
+                if not got:
+                    return
             else:
-                time.sleep(pause)
-                pause = min(pause * 2, POLL_MAX_S)
+                got = self._long_poll(request, self.long_poll, polling)
+            yield from got
 
-    def _wait_consume(self, queue: str, wait: float) -> Message | None:
-        end = time.monotonic() + wait
-        pause = POLL_MIN_S
+    def _long_poll(self, request: dict, wait_s: float,
+                   polling: _Polling) -> builtins.list[Delivery]:
+        """One long poll of at most `wait_s` (cut to the client's
+        `long_poll`, which a node's "wait out of range" lowers); pauses
+        afterwards as `polling` says."""
         while True:
-            message = self.consume(queue)
-            left = end - time.monotonic()
-            if message is not None or left <= 0:
-                return message
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, POLL_MAX_S)
+            wait_s = min(wait_s, self.long_poll)
+            asked = dict(request, wait=wait_s) if wait_s > 0 else request
+            start = time.monotonic()
+            try:
+                got = self._deliveries(asked)
+            except ServerError as exc:
+                shorter = shorter_long_poll(wait_s, exc)
+                if shorter is None:
+                    raise
+                self.long_poll = min(self.long_poll, shorter)
+                continue
+            pause = polling.pause_after(bool(got), wait_s, time.monotonic() - start)
+            if pause:
+                time.sleep(pause)
+            return got
+
+    def _wait_deliveries(self, request: dict, wait: float) -> builtins.list[Delivery]:
+        """Long polls until something is delivered or `wait` seconds pass."""
+        end = time.monotonic() + wait
+        polling = _Polling()
+        while True:
+            got = self._long_poll(request, max(0.0, end - time.monotonic()), polling)
+            if got or time.monotonic() >= end:
+                return got
 
     # -- the driver ---------------------------------------------------------
 
-    def _exchange(self, requests: Sequence[dict], window: int, *,
-                  stop_on_error: bool) -> builtins.list[dict | None]:
+    def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
+                  wait_s: float = 0.0) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
-        with self._lock:
-            ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
-            router = self._router
-            router.begin()
-            error: Exception | None
-            while not ex.finished:
-                if ex.halted:  # drained after a redirect or a retriable refusal
-                    self.close()
-                    if ex.redirect is not None:
-                        error = ServerError(-2, f"too many redirects (last to "
-                                                f"{_describe(ex.redirect)})")
-                        delay = router.redirected(ex.redirect, error, time.monotonic())
-                    else:
-                        # Halted but not finished: no refusal stopped the
-                        # exchange (it would be finished once idle), so a
-                        # retriable refusal halted it.
-                        assert ex.retry_error is not None
-                        delay = router.failed(ex.retry_error, time.monotonic())
-                    ex.resume()
-                    time.sleep(delay)
-                    continue
-                address = router.address
-                answered = ex.answered
-                try:
-                    if self._conn is None or self._conn.address != address:
-                        self.close()
-                        self._conn = _Connection(address, self.timeout)
-                    self._pump(self._conn, ex)
-                    error = None
-                except TimeoutError:
-                    error = ClientTimeout(
-                        f"{_describe(address)}: no answer within {self.timeout} s")
-                except (OSError, _BrokenStream) as exc:
-                    error = ClientConnectionError(f"{_describe(address)}: {exc}")
-                except BaseException:
-                    # Interrupted (KeyboardInterrupt): answers may still be
-                    # due on this connection; a later call must not read them.
-                    self.close()
-                    raise
-                if ex.answered > answered:
-                    router.begin()
-                if error is not None:
-                    self.close()
-                    ex.connection_lost()
-                    time.sleep(router.failed(error, time.monotonic()))
-            return ex.results
+        if not wait_s:
+            with self._lock:
+                return self._run(self._main, requests, window, stop_on_error, 0.0)
+        lane = self._poll_lane()
+        try:
+            return self._run(lane, requests, window, stop_on_error, wait_s)
+        finally:
+            self._end_poll(lane)
 
-    def _pump(self, conn: _Connection, ex: _Exchange) -> None:
+    def _poll_lane(self) -> _Lane:
+        """A lane for a long poll: an idle poll connection to the node of the
+        main lane if there is one, and a router that starts there."""
+        address = self._main.router.address
+        with self._polls_lock:
+            conns = self._idle_polls
+            i = next((i for i, c in enumerate(conns) if c.address == address), None)
+            conn = conns.pop(i) if i is not None else None
+            generation = self._generation
+        router = _Router(self._main.router.addresses, self._main.router.retry_for_s, address)
+        return _Lane(router, conn, generation)
+
+    def _end_poll(self, lane: _Lane) -> None:
+        """Keep a long poll's connection for the next (it is idle: every
+        answer read), unless the client was closed meanwhile or keeps
+        enough."""
+        conn, lane.conn = lane.conn, None
+        if conn is None:
+            return
+        with self._polls_lock:
+            if (lane.generation == self._generation
+                    and len(self._idle_polls) < MAX_IDLE_POLL_CONNECTIONS):
+                self._idle_polls.append(conn)
+                return
+        conn.close()
+
+    def _run(self, lane: _Lane, requests: Sequence[dict], window: int, stop_on_error: bool,
+             wait_s: float) -> builtins.list[dict | None]:
+        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
+        router = lane.router
+        router.begin()
+        error: Exception | None
+        while not ex.finished:
+            if ex.halted:  # drained after a redirect or a retriable refusal
+                lane.drop()
+                if ex.redirect is not None:
+                    error = ServerError(-2, f"too many redirects (last to "
+                                            f"{_describe(ex.redirect)})")
+                    delay = router.redirected(ex.redirect, error, time.monotonic())
+                else:
+                    # Halted but not finished: no refusal stopped the
+                    # exchange (it would be finished once idle), so a
+                    # retriable refusal halted it.
+                    assert ex.retry_error is not None
+                    delay = router.failed(ex.retry_error, time.monotonic())
+                ex.resume()
+                time.sleep(delay)
+                continue
+            address = router.address
+            answered = ex.answered
+            timeout_s = self.timeout + wait_s
+            try:
+                if lane.conn is None or lane.conn.address != address:
+                    lane.drop()
+                    lane.conn = _Connection(address, self.timeout)
+                self._pump(lane.conn, ex, timeout_s)
+                error = None
+            except TimeoutError:
+                error = ClientTimeout(f"{_describe(address)}: no answer within {timeout_s} s")
+            except (OSError, _BrokenStream) as exc:
+                error = ClientConnectionError(f"{_describe(address)}: {exc}")
+            except BaseException:
+                # Interrupted (KeyboardInterrupt): answers may still be
+                # due on this connection; a later call must not read them.
+                lane.drop()
+                raise
+            if ex.answered > answered:
+                router.begin()
+            if error is not None:
+                lane.drop()
+                ex.connection_lost()
+                time.sleep(router.failed(error, time.monotonic()))
+        return ex.results
+
+    def _pump(self, conn: _Connection, ex: _Exchange, timeout_s: float) -> None:
         """Send and receive on `conn` until the exchange is finished, or
-        halted with nothing in flight. Raises OSError, TimeoutError,
-        _BrokenStream."""
+        halted with nothing in flight; `timeout_s` of silence at most.
+        Raises OSError, TimeoutError, _BrokenStream."""
         sock = conn.sock
         out = memoryview(ex.take())
         while True:
@@ -281,7 +483,7 @@ class Client:
                 out = memoryview(ex.take())
                 if not out and ex.idle:
                     return
-            readable, writable, _ = select.select([sock], [sock] if out else [], [], self.timeout)
+            readable, writable, _ = select.select([sock], [sock] if out else [], [], timeout_s)
             if not readable and not writable:
                 raise TimeoutError
             if writable:
@@ -294,21 +496,40 @@ class Client:
                     ex.feed(response)
 
 
-class Delivery:
-    """A consumed message whose fate the `with` block decides: confirmed
-    when the block ends normally, left to the server's retry when it raises.
-    `with delivery as msg:` gives the `Message`."""
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Delivery(Message):
+    """A consumed message (a `Message`: queue, msg_id, data, deliveries,
+    receipt) that can settle itself with its receipt: `confirm()`,
+    `nack(delay)`, `touch(lease)`. As a context manager, the `with` block
+    decides: confirmed when it ends normally, left to the server's retry
+    when it raises; `with delivery as msg:` gives the delivery itself."""
 
-    __slots__ = ("client", "message")
+    client: Client = field(repr=False)
 
-    def __init__(self, client: Client, message: Message) -> None:
-        self.client = client
-        self.message = message
+    @property
+    def message(self) -> Message:
+        """The delivery itself (it is a `Message`); kept for older code."""
+        return self
 
-    def __enter__(self) -> Message:
-        return self.message
+    def confirm(self) -> bool:
+        """As `Client.confirm` with this delivery's receipt: raises
+        `StaleReceipt` if the lease ran out and the message was delivered
+        again (or confirmed) since. Without a receipt (an at-most-once
+        message, a last delivery, an older server): by id."""
+        return self.client.confirm(self.queue, self.msg_id, receipt=self.receipt)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def nack(self, delay: object = None) -> dict:
+        """As `Client.nack` with this delivery's receipt."""
+        return self.client.nack(self.queue, self.msg_id, receipt=self.receipt, delay=delay)
+
+    def touch(self, lease: object = None) -> float:
+        """As `Client.touch` with this delivery's receipt."""
+        return self.client.touch(self.queue, self.msg_id, receipt=self.receipt, lease=lease)
+
+    def __enter__(self) -> Delivery:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         if exc_type is None:
-            self.client.confirm(self.message.queue, self.message.msg_id)
+            self.confirm()
 
