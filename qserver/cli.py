@@ -13,17 +13,36 @@ Client commands, against any node (`-s HOST:PORT`, repeatable; default
 127.0.0.1:1111), through `qserver.client.Client`:
 
     qserver produce QUEUE DATA [--delay S] [--ttl S] [--retry S]
-    qserver consume QUEUE
-    qserver confirm QUEUE MSG_ID
+    qserver consume QUEUE [QUEUE ...] [--count N] [--wait S] [--lease S] [--ack]
+    qserver confirm QUEUE MSG_ID [--receipt R]
+    qserver nack QUEUE MSG_ID [--receipt R] [--delay S]
+    qserver touch QUEUE MSG_ID [--receipt R] [--lease S]
+    qserver show QUEUE MSG_ID
+    qserver peek QUEUE [--count N]
+    qserver config QUEUE [KEY=VALUE ...]
     qserver monitor [QUEUE]
     qserver list [PATTERN]
     qserver leader
     qserver status
 
 Output is for people by default, JSON with `--json`. Exit status: 0 on
-success, 1 on a server or connection error (one line on stderr), 2 for bad
-usage. `status` asks every given node for its own view (action 104) and
-exits 1 if one of them does not answer.
+success (an empty consume or peek included), 1 on a server or connection
+error (one line on stderr: a stale receipt, a message not in flight, a show
+of a message that is not there), 2 for bad usage. `status` asks every given
+node for its own view (action 104) and exits 1 if one of them does not
+answer.
+
+`consume` takes from the first listed queue that has a message. Without
+`--count` it prints as it always did (`msg_id N: DATA`; JSON: queue,
+msg_id, data); with `--count N` it lists up to N messages with their
+delivery count and receipt (JSON: a list of {queue, msg_id, data,
+deliveries, receipt}), which `confirm`, `nack` and `touch` take with
+`--receipt` (use `--count 1` for one message and its receipt). `--wait S`
+is a long poll, `--lease S` the seconds before an unconfirmed delivery comes
+back, `--ack` confirms each message with its receipt once printed. `config`
+without KEY=VALUE prints the queue's settings; with them it changes them
+(values: integers as integers, an empty value as none, and for dead_letter
+also `none`).
 """
 
 from __future__ import annotations
@@ -140,7 +159,8 @@ DEFAULT_SERVER = "127.0.0.1:1111"
 # 10 s): a person wants a quick answer, and a script can pass --retry-for.
 CLI_RETRY_FOR_S = 3.0
 
-CLIENT_COMMANDS = ("produce", "consume", "confirm", "monitor", "list", "leader", "status")
+CLIENT_COMMANDS = ("produce", "consume", "confirm", "nack", "touch", "show", "peek", "config",
+                   "monitor", "list", "leader", "status")
 
 
 def _add_client_commands(sub) -> None:
@@ -163,11 +183,54 @@ def _add_client_commands(sub) -> None:
     produce.add_argument("--retry", type=float, default=0, metavar="S",
                          help="redeliver S seconds after each consume until confirmed "
                               "(default 0: at most once)")
-    consume = sub.add_parser("consume", parents=[common], help="consume the next ready message")
-    consume.add_argument("queue")
+    consume = sub.add_parser("consume", parents=[common],
+                             help="consume the next ready message(s)")
+    consume.add_argument("queues", nargs="+", metavar="QUEUE",
+                         help="a queue, or several: the first one that has a message")
+    consume.add_argument("--count", type=int, metavar="N",
+                         help="up to N messages, listed with their receipts")
+    consume.add_argument("--wait", type=float, metavar="S",
+                         help="wait up to S seconds for a message (a long poll)")
+    consume.add_argument("--lease", type=float, metavar="S",
+                         help="an unconfirmed delivery comes back after S seconds "
+                              "(default: the message's retry)")
+    consume.add_argument("--ack", action="store_true",
+                         help="confirm each message, with its receipt, once printed")
+    receipt_help = ("the receipt of the delivery (consume --count or --json prints it): "
+                    "act on that delivery only")
     confirm = sub.add_parser("confirm", parents=[common], help="confirm a consumed message")
     confirm.add_argument("queue")
     confirm.add_argument("msg_id", type=int)
+    confirm.add_argument("--receipt", metavar="R", help=receipt_help)
+    nack = sub.add_parser("nack", parents=[common],
+                          help="give a consumed message back, deliverable again after --delay")
+    nack.add_argument("queue")
+    nack.add_argument("msg_id", type=int)
+    nack.add_argument("--receipt", metavar="R", help=receipt_help)
+    nack.add_argument("--delay", type=float, metavar="S",
+                      help="seconds from now (or an absolute unix time) before it is "
+                           "deliverable again (default 0)")
+    touch = sub.add_parser("touch", parents=[common],
+                           help="extend the lease of a consumed message")
+    touch.add_argument("queue")
+    touch.add_argument("msg_id", type=int)
+    touch.add_argument("--receipt", metavar="R", help=receipt_help)
+    touch.add_argument("--lease", type=float, metavar="S",
+                       help="it comes back S seconds from now unless confirmed "
+                            "(default: the message's retry)")
+    show = sub.add_parser("show", parents=[common], help="a message's state, data and counts")
+    show.add_argument("queue")
+    show.add_argument("msg_id", type=int)
+    peek = sub.add_parser("peek", parents=[common],
+                          help="the next messages a consume would deliver (changes nothing)")
+    peek.add_argument("queue")
+    peek.add_argument("--count", type=int, default=1, metavar="N",
+                      help="how many (default 1)")
+    config = sub.add_parser("config", parents=[common],
+                            help="a queue's settings; KEY=VALUE changes them")
+    config.add_argument("queue")
+    config.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="max_deliveries=N (0: unlimited), dead_letter=QUEUE (none: none)")
     monitor = sub.add_parser("monitor", parents=[common],
                              help="the master's view of the cluster and of a queue")
     monitor.add_argument("queue", nargs="?")
@@ -178,6 +241,11 @@ def _add_client_commands(sub) -> None:
                    help="every node's role, vote_id, trans_id, commit_id and lag")
 
 
+class _Failure(Exception):
+    """A command's outcome that exits 1 with this one line on stderr (a show
+    of a message that is not there)."""
+
+
 def _client_main(args) -> int:
     from .client import Client, parse_hosts
 
@@ -186,14 +254,20 @@ def _client_main(args) -> int:
         if args.command == "status":
             return _status(servers, args)
         with Client(servers, timeout=args.timeout, retry_for=args.retry_for) as client:
-            result, text = _COMMANDS[args.command](client, args)
+            result, text, *then = _COMMANDS[args.command](client, args)
+            _emit(args, result, text)
+            for step in then:  # what comes after the output (consume --ack)
+                sys.stdout.flush()
+                step()
     except InvalidArgument as exc:
         print(f"qserver: {exc}", file=sys.stderr)
         return 2
     except QServerClientError as exc:
         print(f"qserver: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    _emit(args, result, text)
+    except _Failure as exc:
+        print(f"qserver: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -212,19 +286,128 @@ def _cmd_produce(client, args) -> tuple[object, str]:
     return result, "\n".join(f"produced msg_id {i} in {q}" for q, i in ids.items())
 
 
-def _cmd_consume(client, args) -> tuple[object, str]:
-    msg = client.consume(args.queue)
-    if msg is None:
-        return ({"queue": args.queue, "msg_id": None, "data": None},
-                f"no message ready in {args.queue}")
+def _cmd_consume(client, args) -> tuple:
+    names = args.queues
+    where: dict[str, Any] = {"queue": names[0]} if len(names) == 1 else {"queues": names}
+    got = client.consume(**where, count=args.count, wait=args.wait, lease=args.lease)
+    if args.count is None:
+        deliveries = [] if got is None else [got]
+    else:
+        deliveries = got
+    then = [lambda: [d.confirm() for d in deliveries]] if args.ack else []
+    nothing = f"no message ready in {', '.join(names)}"
+    if args.count is not None:
+        # The list form, as on the wire: every field of each delivery.
+        result: object = [{"queue": d.queue, "msg_id": d.msg_id, "data": d.data,
+                           "deliveries": d.deliveries, "receipt": d.receipt}
+                          for d in deliveries]
+        text = "\n".join(_table(["QUEUE", "MSG_ID", "DELIVERIES", "RECEIPT", "DATA"],
+                                [[d.queue, d.msg_id, d.deliveries, d.receipt, d.data]
+                                 for d in deliveries])) if deliveries else nothing
+        return (result, text, *then)
+    # Today's single form (scripts read it): queue, msg_id, data.
+    if not deliveries:
+        return ({"queue": names[0] if len(names) == 1 else None, "msg_id": None, "data": None},
+                nothing, *then)
+    msg = deliveries[0]
+    where_text = f" in {msg.queue}" if len(names) > 1 else ""
     return ({"queue": msg.queue, "msg_id": msg.msg_id, "data": msg.data},
-            f"msg_id {msg.msg_id}: {msg.data}")
+            f"msg_id {msg.msg_id}{where_text}: {msg.data}", *then)
 
 
 def _cmd_confirm(client, args) -> tuple[object, str]:
-    client.confirm(args.queue, args.msg_id)
-    return ({"queue": args.queue, "msg_id": args.msg_id, "confirmed": True},
-            f"confirmed msg_id {args.msg_id} in {args.queue}")
+    found = client.confirm(args.queue, args.msg_id, receipt=args.receipt)
+    gone = "" if found else " (no such message: nothing was deleted)"
+    return ({"queue": args.queue, "msg_id": args.msg_id, "confirmed": True, "found": found},
+            f"confirmed msg_id {args.msg_id} in {args.queue}{gone}")
+
+
+def _when(unix_s: float) -> str:
+    """A unix time for people: local date and time, and how far from now."""
+    import datetime
+    import time
+
+    if not unix_s:
+        return "-"
+    delta = unix_s - time.time()
+    rel = f"in {delta:.1f} s" if delta >= 0 else f"{-delta:.1f} s ago"
+    stamp = datetime.datetime.fromtimestamp(unix_s).isoformat(sep=" ", timespec="milliseconds")
+    return f"{stamp} ({rel})"
+
+
+def _cmd_nack(client, args) -> tuple[object, str]:
+    result = client.nack(args.queue, args.msg_id, receipt=args.receipt, delay=args.delay)
+    head = f"nacked msg_id {args.msg_id} in {args.queue}"
+    if result.get("dead_lettered"):
+        text = f"{head}: moved to the dead-letter queue {result.get('dead_letter')}"
+    elif result.get("deleted"):
+        text = f"{head}: deleted (no more deliveries, and no dead-letter queue)"
+    else:
+        text = f"{head}: deliverable again at {_when(result.get('ready_at', 0))}"
+    return {"queue": args.queue, "msg_id": args.msg_id, **result}, text
+
+
+def _cmd_touch(client, args) -> tuple[object, str]:
+    retry_at = client.touch(args.queue, args.msg_id, receipt=args.receipt, lease=args.lease)
+    text = (f"touched msg_id {args.msg_id} in {args.queue}: "
+            f"comes back at {_when(retry_at)} unless confirmed")
+    return {"queue": args.queue, "msg_id": args.msg_id, "retry_at": retry_at}, text
+
+
+# Fields of show and peek that are unix times (0: none).
+_TIME_FIELDS = ("ready_at", "ttl", "retry_at")
+
+
+def _cmd_show(client, args) -> tuple[object, str]:
+    message = client.show(args.queue, args.msg_id)
+    if message is None:
+        raise _Failure(f"no such message: msg_id {args.msg_id} in {args.queue}")
+    result = {"queue": args.queue, **message}
+    width = max(map(len, result))
+    lines = [f"{key:<{width}}  {_when(value) if key in _TIME_FIELDS else value}"
+             for key, value in result.items() if key != "data"]
+    lines.append(f"{'data':<{width}}  {result.get('data')}")  # last: it may be long
+    return result, "\n".join(lines)
+
+
+def _cmd_peek(client, args) -> tuple[object, str]:
+    messages = client.peek(args.queue, args.count)
+    if not messages:
+        return messages, f"no message ready in {args.queue}"
+    return messages, "\n".join(_table(
+        ["MSG_ID", "STATE", "PRIORITY", "DELIVERIES", "READY_AT", "DATA"],
+        [[m.get("msg_id"), m.get("state"), m.get("priority"), m.get("deliveries"),
+          _when(m.get("ready_at") or 0), m.get("data")] for m in messages]))
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """KEY=VALUE as a setting: an integer as an integer, an empty value as
+    None, and for dead_letter "none" as None too (a queue called "none"
+    cannot be named there from the command line); else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise InvalidArgument(f"setting {text!r} is not KEY=VALUE")
+    if value == "" or (key == "dead_letter" and value.lower() == "none"):
+        return key, None
+    if value.lstrip("-").isdigit() and value.isascii():
+        return key, int(value)
+    return key, value
+
+
+def _cmd_config(client, args) -> tuple[object, str]:
+    settings: dict[str, object] = {}
+    for text in args.settings:
+        key, value = _setting(text)
+        if key in settings:
+            raise InvalidArgument(f"setting {key} given twice")
+        settings[key] = value
+    config = (client.set_config(args.queue, **settings) if settings
+              else client.config(args.queue))
+    width = max(map(len, ["queue", *config]))
+    lines = [f"{'queue':<{width}}  {args.queue}"]
+    lines.extend(f"{key:<{width}}  {'none' if value is None else value}"
+                 for key, value in config.items())
+    return config, "\n".join(lines)
 
 
 def _cmd_monitor(client, args) -> tuple[object, str]:
@@ -258,7 +441,9 @@ def _cmd_leader(client, args) -> tuple[object, str]:
 
 
 _COMMANDS = {"produce": _cmd_produce, "consume": _cmd_consume, "confirm": _cmd_confirm,
-             "monitor": _cmd_monitor, "list": _cmd_list, "leader": _cmd_leader}
+             "nack": _cmd_nack, "touch": _cmd_touch, "show": _cmd_show, "peek": _cmd_peek,
+             "config": _cmd_config, "monitor": _cmd_monitor, "list": _cmd_list,
+             "leader": _cmd_leader}
 
 
 def _table(headers: list[str], rows: list[list]) -> list[str]:
