@@ -14,7 +14,7 @@ XML elements (design.md section 4; cluster.xml.example documents each):
     <virtual_queue name="v"><queue name="a"/><queue name="b"/></virtual_queue>
     <replication engine="native|raft" mode="quorum|async" forward_request="1|0"/>
     <storage dir="PATH" fsync="always|batch|off"/>
-    <limits max_request_size="BYTES"/>
+    <limits max_request_size="BYTES" max_wait="SECONDS"/>
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ DEFAULT_PORT = 1111
 MIN_REQUEST_SIZE = 256
 # Largest: 64 MiB keeps one client from making the node allocate gigabytes.
 MAX_REQUEST_SIZE = 64 * 1024 * 1024
+
+# A long poll (consume `wait`) waits at most this long by default: SQS
+# allows 20 s, and 30 s stays below the idle timeouts of common proxies.
+DEFAULT_MAX_WAIT_S = 30
+# ...and at most this, whatever the configuration says: a parked consume
+# holds a connection and a slave's forward; an hour is plenty.
+MAX_WAIT_S = 3600
 
 
 class Engine(enum.Enum):
@@ -120,6 +127,7 @@ class Config:
     storage_dir: str | None = None  # None: keep everything in memory
     fsync: Fsync = Fsync.BATCH
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
+    max_wait_s: int = DEFAULT_MAX_WAIT_S  # the longest long poll (consume `wait`)
 
     @classmethod
     def default(cls) -> Config:
@@ -330,9 +338,10 @@ def _read_sections(kw: dict[str, Any], sections: dict[str, _Reader]) -> None:
         kw["fsync"] = r.choice("fsync", Fsync, Fsync.BATCH)
     r = sections.get("limits")
     if r:
-        r.check_known("max_request_size")
+        r.check_known("max_request_size", "max_wait")
         kw["max_request_size"] = r.integer("max_request_size", DEFAULT_MAX_REQUEST_SIZE,
                                            lo=MIN_REQUEST_SIZE, hi=MAX_REQUEST_SIZE)
+        kw["max_wait_s"] = r.integer("max_wait", DEFAULT_MAX_WAIT_S, lo=0, hi=MAX_WAIT_S)
 
 
 def _peers(file: str, nodes: list[_Reader], node_id: int, host: str,
@@ -448,6 +457,7 @@ _JSON_KEYS = {
     "engine": ("replication", "engine"), "mode": ("replication", "mode"),
     "forward_request": ("replication", "forward_request"),
     "max_request_size": ("limits", "max_request_size"),
+    "max_wait": ("limits", "max_wait"),
     "secret": ("cluster", "secret"),
 }
 # Accepted and ignored: queue_server's on-disk block count has no meaning here.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -76,13 +77,19 @@ class Node:
                                         storage=self.storage, vote=vote)
         else:
             me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+            # Receipts' epoch: the start time (see LocalEngine).
             self.engine = LocalEngine(store=self.store, log=self.log, me=me,
-                                      log_size=config.log_size)
+                                      log_size=config.log_size, epoch=int(time.time()))
         self.service = Service(config=config, store=self.store, engine=self.engine)
         handle = self.service.handle
-        self.engine.handle_forwarded = lambda obj, t, respond: handle(obj, t, respond,
-                                                                      forwarded=True)
+        self.engine.handle_forwarded = lambda obj, t, respond, session: handle(
+            obj, t, respond, forwarded=True, session=session)
         self.engine.on_fatal = self._engine_failed
+        self.engine.on_role_change = self.service.role_changed
+        self.service.schedule = self._schedule_tick
+        # The service's timer (long polls, leases): one, at its earliest deadline.
+        self._tick_timer: asyncio.TimerHandle | None = None
+        self._tick_at = 0  # unix ms it fires at
         self.exit_status = 0  # what `qserver run` exits with after serve()
         # Set by the `qserver` command: ends the process at once with the
         # status given. Without it (a node inside a test or another
@@ -159,6 +166,23 @@ class Node:
         log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
                  f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
                  else "single node")
+
+    def _schedule_tick(self, at_ms: int) -> None:
+        """Call the service's `tick` at `at_ms` (unix ms), unless the timer
+        armed already fires earlier."""
+        timer = self._tick_timer
+        if timer is not None:
+            if self._tick_at <= at_ms:
+                return
+            timer.cancel()
+        self._tick_at = at_ms
+        delay_s = max(0.0, at_ms / 1000 - time.time())
+        self._tick_timer = asyncio.get_running_loop().call_later(delay_s, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_timer = None
+        if not self.failed:
+            self.service.tick(time.time_ns() // 1_000_000)
 
     def _full_gc(self) -> None:
         gc.collect()
@@ -237,6 +261,10 @@ class Node:
         (after a fatal error: abort them, without waiting)."""
         if self._gc_timer is not None:
             self._gc_timer.cancel()
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+        if not self.failed:
+            self.service.release_parked()  # they owe answers: empty ones, now
         if self._tcp is not None:
             self._tcp.close()
         if self._udp is not None:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .engines.base import JsonObject, Respond
+from .engines.base import JsonObject, Respond, Session
 from .errors import BadRequest, ProtocolError
 from .wire.codec import (
     MAX_UDP_PAYLOAD,
@@ -87,6 +87,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         self._feed = self.decoder.feed
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
+        # What this client has waiting (parked consumes): dropped when it goes.
+        self.session = Session()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -99,6 +101,7 @@ class ClientTcpProtocol(asyncio.Protocol):
         self.node.connections.discard(self)
         self.transport = None
         self.slots.clear()
+        self.session.close()
         self.node.connection_idle()
 
     def data_received(self, data: bytes) -> None:
@@ -140,7 +143,7 @@ class ClientTcpProtocol(asyncio.Protocol):
                 if response is not None:
                     slot[0] = encode_response(response)
                 else:
-                    handle(item, t, self._responder(slot))
+                    handle(item, t, self._responder(slot), session=self.session)
             elif kind is ProtocolError:
                 slot[0] = encode_response(error_response(item.reason))
                 self.closing = True

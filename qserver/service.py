@@ -27,10 +27,24 @@ if the master loses its role first, the client hears "outcome unknown".
 Node-local reads (104, 107) and leader (8) answer from the node's own state
 at once.
 
+Long poll: a consume with `wait` that finds nothing deliverable is
+parked: it waits in a per-queue list, first come first served, and costs
+nothing while it waits. A write that makes a message deliverable at once (a
+produce, a nack, a dead letter) serves the parked consumes of its queues in
+the same call; a message that becomes deliverable later (a delay, a retry
+or a lease coming due), a parked consume's own deadline, and a final lease
+that runs out (its message leaves by the dead-letter rules) are deadlines:
+the service tells the node the earliest one it learns of (`schedule`), and
+the node calls `tick(now_ms)` then. A parked consume whose client goes (its
+`Session` closes) is dropped unanswered; a master that loses its role
+answers every parked consume at once with the empty answer.
+
 Rules
 - Every outcome answers exactly once: a bad request (code -1 and the
   reason), a refused write ("queue full", "time error"), an empty consume
   (code 0, no msg_id), a committed write, or a write that failed to commit.
+  A parked consume is answered once too: served, timed out, dropped with
+  its client (no answer), or emptied by the loss of the master's role.
 - Nothing here reads a clock or touches a socket: `now_ms` comes in.
 
 This module does no I/O.
@@ -38,38 +52,94 @@ This module does no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any, cast
 
 from .config import Config
-from .engines.base import Engine, JsonObject, Respond, Role
+from .engines.base import FORWARD_TIMEOUT_S, Engine, JsonObject, Respond, Role, Session
 from .errors import BadRequest
-from .state.entries import Confirm, Consume
-from .state.store import Store
+from .state.entries import SETTINGS, Configure, Confirm, Consume, ConsumeMany, DeadLetter
+from .state.store import Store, message_view, receipt_text
 from .wire.codec import error_response
 from .wire.requests import (
     MAX_QUEUE_NAME,
     MAX_TIME_S,
+    RELATIVE_TIME_LIMIT_S,
+    ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
     LeaderRequest,
     ListRequest,
     MonitorRequest,
+    NackRequest,
+    PeekRequest,
     ProduceRequest,
+    ShowRequest,
+    TouchRequest,
     UnsupportedRequest,
     parse_request,
 )
 
-__all__ = ["Service", "Respond"]
+__all__ = ["Service", "Respond", "Session"]
 
-# Adds a committed write's result to its answer (a consume's message).
+# Final leases that ran out are moved out by at most this many entries per
+# tick, so that a backlog of them does not hold the event loop; the next
+# tick comes at once for the rest.
+EXPIRE_BATCH = 256
+
+# The answers that say a receipt or an in-flight state did not match: they
+# append no entry, so they rest on committed state (read index).
+_READ_ERRORS = frozenset({"stale receipt", "not in flight"})
+
+
+class _Waiter:
+    """A parked consume."""
+
+    __slots__ = ("key", "obj", "req", "respond", "deadline_ms", "session", "session_key")
+
+    def __init__(self, key: int, obj: JsonObject, req: ConsumeRequest, respond: Respond,
+                 deadline_ms: int, session: Session | None) -> None:
+        self.key = key  # the order of arrival: lower is served first
+        self.obj = obj
+        self.req = req
+        self.respond = respond
+        self.deadline_ms = deadline_ms  # answered empty then
+        self.session = session
+        self.session_key = 0  # in `session`, to discard once answered
+
+# Adds a committed write's result to its answer.
 Fill = Callable[[JsonObject, Any], None]
 # Builds the answer of a monitor or list request.
 ReadAnswer = Callable[[JsonObject, Any, int], JsonObject]
 
 
-def _consumed(obj: JsonObject, result: tuple[int, str]) -> None:
-    obj["msg_id"], obj["data"] = result
+def _found(obj: JsonObject, result: bool) -> None:
+    obj["found"] = result
+
+
+def _ready_at(obj: JsonObject, ready_ms: int) -> None:
+    obj["ready_at"] = ready_ms / 1000
+
+
+def _retry_at(obj: JsonObject, retry_at_ms: int) -> None:
+    obj["retry_at"] = retry_at_ms / 1000
+
+
+def _configured(obj: JsonObject, settings: JsonObject) -> None:
+    obj["config"] = settings
+
+
+def _ignore(_result: object, _error: str | None) -> None:
+    pass
+
+
+def _default_settings() -> JsonObject:
+    """A queue's settings before any config (5) changed them."""
+    return {name: default if default != "" else None
+            for name, (_check, default) in SETTINGS.items()}
 
 
 class Service:
@@ -80,20 +150,36 @@ class Service:
         self.store = store
         self.engine = engine
         self._commits_at_once = engine.commits_at_once
+        self.max_wait_ms = config.max_wait_s * 1000
+        # queue name -> its parked consumes by key, oldest first; a consume
+        # of several queues is in the list of each. No empty lists.
+        self.waiting: dict[str, OrderedDict[int, _Waiter]] = {}
+        self._waiters: dict[int, _Waiter] = {}  # every parked consume, by key
+        self._timeouts: list[tuple[int, int]] = []  # (deadline_ms, key): a heap; stale ones stay
+        self._next_key = 0
+        # Set by the node: arm a timer that calls `tick` at this unix ms (an
+        # earlier one than the timer armed wins; a late call is harmless).
+        self.schedule: Callable[[int], None] | None = None
+
+    @property
+    def parked(self) -> int:
+        """Consumes parked on this node."""
+        return len(self._waiters)
 
     def handle(self, obj: object, now_ms: int, respond: Respond, *,
-               forwarded: bool = False) -> None:
+               forwarded: bool = False, session: Session | None = None) -> None:
         """Answer one decoded request (any JSON value) through `respond`.
 
         `forwarded`: the request came from a slave; if this node is not the
         master either, it is answered "no leader" rather than relayed again.
+        `session`: the client's (see `Session`); None for UDP.
         """
         if not forwarded:
             response = self.answer_now(obj, now_ms)
             if response is not None:
                 respond(response)
                 return
-        self.handle_general(obj, now_ms, respond, forwarded=forwarded)
+        self.handle_general(obj, now_ms, respond, forwarded=forwarded, session=session)
 
     def answer_now(self, obj: object, now_ms: int) -> JsonObject | None:
         """The fast path: answer a produce, consume or confirm of the usual
@@ -169,26 +255,41 @@ class Service:
         obj["msg_id"] = targets[0][1]
         if queue in store.virtual_queues:
             obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
+        if self.waiting:
+            self._written([name for name, _ in targets], now_ms)
         return obj
 
     def _consume_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
+        if len(obj) > 3 and (obj.get("count") is not None or obj.get("wait") is not None
+                             or obj.get("lease") is not None or obj.get("queues") is not None):
+            return None  # the new fields: the general path
+        consumed = self.store.decide_consume_values(queue, now_ms, self.engine.epoch)
+        if isinstance(consumed, DeadLetter):
+            return None  # over max_deliveries: the general path moves it first
         # A client's own msg_id/data must not read back as a delivery.
         pop = obj.pop
         pop("msg_id", None)
         pop("data", None)
-        consumed = self.store.decide_consume_values(queue, now_ms)
         if consumed is None:
             obj["code"] = 0
             return obj
         if isinstance(consumed, str):
             return error_response(consumed, obj)
         obj["code"] = 0
-        obj["msg_id"], obj["data"] = self.engine.commit_now(consumed)
+        msg_id, obj["data"], deliveries = self.engine.commit_now(consumed)
+        obj["msg_id"] = msg_id
+        obj["deliveries"] = deliveries
+        retry_at_ms = consumed[2]
+        if retry_at_ms:
+            obj["receipt"] = receipt_text(consumed[3], msg_id, deliveries)
+            if consumed[4] or self.waiting:
+                self._delivered_later(queue, retry_at_ms)
         return obj
 
     def _confirm_now(self, obj: JsonObject, queue: str) -> JsonObject | None:
-        msg_id = obj.get("msg_id")
-        if type(msg_id) is not int or msg_id < 1:
+        get = obj.get
+        msg_id = get("msg_id")
+        if type(msg_id) is not int or msg_id < 1 or get("receipt") is not None:
             return None
         confirmed = self.store.decide_confirm_values(queue, msg_id)
         if confirmed is not None:
@@ -197,10 +298,11 @@ class Service:
             self.engine.commit_now(confirmed)
         # An unknown id decides to None: code 0, not an error (queue_server).
         obj["code"] = 0
+        obj["found"] = confirmed is not None
         return obj
 
     def handle_general(self, obj: object, now_ms: int, respond: Respond, *,
-                       forwarded: bool = False) -> None:
+                       forwarded: bool = False, session: Session | None = None) -> None:
         """`handle` without the fast path: for a request `answer_now` left
         alone (it returned None)."""
         try:
@@ -209,17 +311,31 @@ class Service:
             respond(error_response(exc.reason, obj))
             return
         request = cast(JsonObject, obj)  # parse_request accepts JSON objects only
+        if isinstance(req, ConsumeRequest) and req.wait_ms > self.max_wait_ms:
+            respond(error_response("wait out of range", request))
+            return
         if not self.engine.is_master and not (
                 isinstance(req, LeaderRequest)
                 or (isinstance(req, (MonitorRequest, ListRequest)) and req.local)):
-            self._not_master(request, respond, forwarded)
+            wait_ms = req.wait_ms if isinstance(req, ConsumeRequest) else 0
+            self._not_master(request, respond, forwarded, session, wait_ms)
             return
         if isinstance(req, ProduceRequest):
             self._produce(request, req, now_ms, respond)
         elif isinstance(req, ConsumeRequest):
-            self._consume(request, req, now_ms, respond)
+            self._consume(request, req, now_ms, respond, session)
         elif isinstance(req, ConfirmRequest):
             self._confirm(request, req, respond)
+        elif isinstance(req, NackRequest):
+            self._nack(request, req, now_ms, respond)
+        elif isinstance(req, TouchRequest):
+            self._touch(request, req, now_ms, respond)
+        elif isinstance(req, ShowRequest):
+            self._show(request, req, now_ms, respond)
+        elif isinstance(req, PeekRequest):
+            self._peek(request, req, now_ms, respond)
+        elif isinstance(req, ConfigRequest):
+            self._config(request, req, respond)
         elif isinstance(req, MonitorRequest):
             self._read(request, req.local, self._monitor, req, now_ms, respond)
         elif isinstance(req, ListRequest):
@@ -231,13 +347,30 @@ class Service:
         else:  # parse_request returns only the types above
             respond(error_response("invalid action", request))
 
-    def _not_master(self, obj: JsonObject, respond: Respond, forwarded: bool) -> None:
-        """A request for the master reached a slave: relay it, or redirect."""
+    def _not_master(self, obj: JsonObject, respond: Respond, forwarded: bool,
+                    session: Session | None, wait_ms: int) -> None:
+        """A request for the master reached a slave: relay it, or redirect.
+        A consume that may wait on the master is relayed with its wait on
+        top of the forward timeout, and cancelled there if its client goes."""
         if forwarded:
             respond(error_response("no leader", obj))
         elif self.config.forward_request:
-            if not self.engine.forward(obj, respond):
+            if not wait_ms:
+                if not self.engine.forward(obj, respond):
+                    respond(error_response("no leader", obj))
+                return
+            key = 0
+
+            def relayed(response: JsonObject) -> None:
+                if session is not None:
+                    session.discard(key)
+                respond(response)
+
+            cancel = self.engine.forward(obj, relayed, FORWARD_TIMEOUT_S + wait_ms / 1000)
+            if cancel is None:
                 respond(error_response("no leader", obj))
+            elif session is not None:
+                key = session.add(cancel)
         else:
             leader = self.engine.leader()
             if leader is None:
@@ -278,22 +411,190 @@ class Service:
             done(self.engine.commit_now(outcome), None)
         else:
             self.engine.propose(outcome, done)
+        if self.waiting:
+            self._written([name for name, _ in outcome.targets], now_ms)
 
-    def _consume(self, obj: JsonObject, req: ConsumeRequest, now_ms: int, respond: Respond) -> None:
+    def _consume(self, obj: JsonObject, req: ConsumeRequest, now_ms: int, respond: Respond,
+                 session: Session | None) -> None:
         # A client's own msg_id/data must not read back as a delivery.
         obj.pop("msg_id", None)
         obj.pop("data", None)
-        self._write(obj, self.store.decide_consume(req, now_ms), respond, _consumed)
+        outcome = self._decide_consume(req, now_ms)
+        if outcome is None:
+            if req.wait_ms and (session is None or not session.closed):
+                self._park(obj, req, now_ms, respond, session)
+            else:
+                self._answer_empty(obj, req, respond, read_index=True)
+        elif isinstance(outcome, str):
+            respond(error_response(outcome, obj))
+        else:
+            self._deliver(obj, req, outcome, respond)
+
+    def _decide_consume(self, req: ConsumeRequest,
+                        now_ms: int) -> Consume | ConsumeMany | str | None:
+        """The store's decision; a message over its queue's max_deliveries
+        (lowered since it was delivered) is moved out first."""
+        epoch = self.engine.epoch
+        while True:
+            outcome = self.store.decide_consume(req, now_ms, epoch)
+            if type(outcome) is not DeadLetter:
+                return outcome  # type: ignore[return-value]
+            self._move(outcome, now_ms)
+
+    def _move(self, move: DeadLetter, now_ms: int) -> None:
+        """Append a dead-letter move that no client waits for."""
+        self.engine.propose(move, _ignore)
+        if self.waiting and move.targets:
+            self._written([name for name, _ in move.targets], now_ms)
+
+    def _deliver(self, obj: JsonObject, req: ConsumeRequest, entry: Consume | ConsumeMany,
+                 respond: Respond) -> None:
+        """Replicate a delivery; answer with the message(s) once committed."""
+        if type(entry) is Consume:
+            many = req.many
+
+            def done(result: Any, error: str | None) -> None:
+                if error is not None:
+                    respond(error_response(error, obj))
+                    return
+                msg_id, data, deliveries = result
+                obj["code"] = 0
+                if many:
+                    obj["queue"] = entry.queue
+                obj["msg_id"] = msg_id
+                obj["data"] = data
+                obj["deliveries"] = deliveries
+                if entry.retry_at_ms:
+                    obj["receipt"] = receipt_text(entry.epoch, msg_id, deliveries)
+                respond(obj)
+
+            self.engine.propose(entry, done)
+            if entry.retry_at_ms and (entry.final or self.waiting):
+                self._delivered_later(entry.queue, entry.retry_at_ms)
+            return
+        many_entry = cast(ConsumeMany, entry)
+        epoch = many_entry.epoch
+        retry_at = {(q, i): r for q, i, r, _final in many_entry.items}
+
+        def done_many(result: Any, error: str | None) -> None:
+            if error is not None:
+                respond(error_response(error, obj))
+                return
+            messages = []
+            for queue, msg_id, data, deliveries in result:
+                item: JsonObject = {"queue": queue, "msg_id": msg_id, "data": data,
+                                    "deliveries": deliveries}
+                if retry_at[queue, msg_id]:
+                    item["receipt"] = receipt_text(epoch, msg_id, deliveries)
+                messages.append(item)
+            obj["code"] = 0
+            if req.batch is None:  # several queues, one message: today's form
+                obj.update(messages[0])
+            else:
+                obj["messages"] = messages
+            respond(obj)
+
+        self.engine.propose(many_entry, done_many)
+        for queue, _msg_id, retry_at_ms, final in many_entry.items:
+            if retry_at_ms and (final or self.waiting):
+                self._delivered_later(queue, retry_at_ms)
+
+    def _answer_empty(self, obj: JsonObject, req: ConsumeRequest, respond: Respond, *,
+                      read_index: bool) -> None:
+        """Nothing to deliver: code 0 without a message (`messages: []`
+        with `count`), once the state it was read from is committed."""
+        obj["code"] = 0
+        if req.batch is not None:
+            obj["messages"] = []
+        if read_index:
+            self._after_read_index(obj, dict(obj), respond)
+        else:
+            respond(obj)
 
     def _confirm(self, obj: JsonObject, req: ConfirmRequest, respond: Respond) -> None:
-        # An unknown id decides to None: code 0, not an error (queue_server).
-        self._write(obj, self.store.decide_confirm(req), respond, None)
+        if req.receipt is not None and req.queue not in self.store.virtual_queues \
+                and not self.store.check_receipt(req.queue, req.msg_id, req.receipt):
+            self._refuse_read(obj, "stale receipt", respond)
+            return
+        outcome = self.store.decide_confirm(req)
+        if outcome is None:  # an unknown id: code 0, not an error (queue_server)
+            obj["code"] = 0
+            obj["found"] = False
+            self._after_read_index(obj, dict(obj), respond)
+            return
+        self._write(obj, outcome, respond, _found)
 
-    def _write(self, obj: JsonObject, outcome: Consume | Confirm | str | None, respond: Respond,
-               fill: Fill | None) -> None:
-        """Answer a consume or confirm decision: None (nothing to change:
-        code 0), a reason (code -1), or an entry to replicate; once it
-        commits, `fill(obj, result)` adds the result's fields."""
+    def _nack(self, obj: JsonObject, req: NackRequest, now_ms: int, respond: Respond) -> None:
+        delay_s = req.delay_s
+        if delay_s < RELATIVE_TIME_LIMIT_S:
+            ready_ms = now_ms + round(delay_s * 1000)
+        else:
+            ready_ms = round(delay_s * 1000)
+        outcome = self.store.decide_nack(req.queue, req.msg_id, req.receipt, ready_ms, now_ms)
+        if isinstance(outcome, str):
+            self._refuse(obj, outcome, respond)
+            return
+        if type(outcome) is DeadLetter:
+            self._write(obj, outcome, respond, self._moved_fill(outcome))
+            if self.waiting and outcome.targets:
+                self._written([name for name, _ in outcome.targets], now_ms)
+            return
+        self._write(obj, outcome, respond, _ready_at)
+        if self.waiting:
+            self._written([req.queue], now_ms)
+
+    def _moved_fill(self, move: DeadLetter) -> Fill:
+        target = self.store.queues[move.queue].dead_letter
+
+        def fill(obj: JsonObject, _result: Any) -> None:
+            if move.targets:
+                obj["dead_lettered"] = True
+                obj["dead_letter"] = target
+            else:
+                obj["deleted"] = True
+        return fill
+
+    def _touch(self, obj: JsonObject, req: TouchRequest, now_ms: int, respond: Respond) -> None:
+        outcome = self.store.decide_touch(req.queue, req.msg_id, req.receipt, req.lease_ms,
+                                          now_ms)
+        if isinstance(outcome, str):
+            self._refuse(obj, outcome, respond)
+            return
+        self._write(obj, outcome, respond, _retry_at)
+        if outcome.final or self.waiting:
+            self._delivered_later(req.queue, outcome.retry_at_ms)
+
+    def _config(self, obj: JsonObject, req: ConfigRequest, respond: Respond) -> None:
+        if not req.settings:  # a read
+            queue = self.store.get(req.queue)
+            obj["code"] = 0
+            obj["config"] = queue.settings() if queue is not None else _default_settings()
+            self._after_read_index(obj, dict(obj), respond)
+            return
+        outcome = self.store.decide_configure(req.queue, req.settings)
+        if isinstance(outcome, str):
+            respond(error_response(outcome, obj))
+            return
+        self._write(obj, outcome, respond, _configured)
+
+    def _refuse(self, obj: JsonObject, reason: str, respond: Respond) -> None:
+        """A refusal: one that rests on the state (a receipt that does not
+        match, a message not in flight) waits for the read index."""
+        if reason in _READ_ERRORS:
+            self._refuse_read(obj, reason, respond)
+        else:
+            respond(error_response(reason, obj))
+
+    def _refuse_read(self, obj: JsonObject, reason: str, respond: Respond) -> None:
+        request = dict(obj)
+        self._after_read_index(error_response(reason, obj), request, respond)
+
+    def _write(self, obj: JsonObject,
+               outcome: Confirm | Configure | DeadLetter | Any | str | None,
+               respond: Respond, fill: Fill | None) -> None:
+        """Answer a decision: None (nothing to change: code 0), a reason
+        (code -1), or an entry to replicate; once it commits, `fill(obj,
+        result)` adds the result's fields."""
         if outcome is None:
             obj["code"] = 0
             self._after_read_index(obj, obj, respond)
@@ -313,7 +614,158 @@ class Service:
 
         self.engine.propose(outcome, done)
 
+    # -- long poll -----------------------------------------------------------
+
+    def _park(self, obj: JsonObject, req: ConsumeRequest, now_ms: int, respond: Respond,
+              session: Session | None) -> None:
+        """Hold a consume until something is deliverable or its wait ends."""
+        self._next_key += 1
+        key = self._next_key
+        deadline_ms = now_ms + req.wait_ms
+        waiter = _Waiter(key, obj, req, respond, deadline_ms, session)
+        self._waiters[key] = waiter
+        for name in req.queues:
+            waiters = self.waiting.get(name)
+            if waiters is None:
+                waiters = self.waiting[name] = OrderedDict()
+            waiters[key] = waiter
+        heapq.heappush(self._timeouts, (deadline_ms, key))
+        if session is not None:
+            waiter.session_key = session.add(lambda: self._drop(key))
+        self._arm(deadline_ms)
+        for name in req.queues:
+            self._arm_queue(name)
+
+    def _unpark(self, waiter: _Waiter) -> None:
+        del self._waiters[waiter.key]
+        for name in waiter.req.queues:
+            waiters = self.waiting.get(name)
+            if waiters is not None:
+                waiters.pop(waiter.key, None)
+                if not waiters:
+                    del self.waiting[name]
+        if waiter.session is not None:
+            waiter.session.discard(waiter.session_key)
+
+    def _drop(self, key: int) -> None:
+        """The client of a parked consume went: forget it, answer nothing."""
+        waiter = self._waiters.get(key)
+        if waiter is not None:
+            self._unpark(waiter)
+
+    def _written(self, names: Iterable[str], now_ms: int) -> None:
+        """Entries changed these queues (the master applied them): serve
+        their parked consumes if a message is deliverable now, else make
+        sure a timer comes when one will be."""
+        for name in names:
+            if name in self.waiting:
+                self._serve(name, now_ms)
+
+    def _serve(self, name: str, now_ms: int) -> None:
+        """Serve the parked consumes of queue `name`, oldest first, while it
+        has deliverable messages."""
+        queue = self.store.get(name)
+        if queue is None or not self.engine.is_master:
+            return
+        while True:
+            waiters = self.waiting.get(name)
+            if not waiters or queue.next_due(now_ms) is None:
+                break
+            waiter = next(iter(waiters.values()))
+            self._unpark(waiter)
+            outcome = self._decide_consume(waiter.req, now_ms)
+            if outcome is None or isinstance(outcome, str):  # cannot be: it is due
+                self._answer_empty(waiter.obj, waiter.req, waiter.respond, read_index=True)
+            else:
+                self._deliver(waiter.obj, waiter.req, outcome, waiter.respond)
+        if name in self.waiting:
+            self._arm_queue(name)
+
+    def _delivered_later(self, name: str, at_ms: int) -> None:
+        """Something of queue `name` comes due at `at_ms` (a lease, a final
+        lease): a timer then, if anyone is parked on it or it is final."""
+        self._arm(at_ms)
+
+    def _arm_queue(self, name: str) -> None:
+        queue = self.store.get(name)
+        if queue is not None:
+            at_ms = queue.next_ready_ms()
+            if at_ms is not None:
+                self._arm(at_ms)
+
+    def _arm(self, at_ms: int) -> None:
+        if self.schedule is not None:
+            self.schedule(at_ms)
+
+    def tick(self, now_ms: int) -> None:
+        """The node's timer: answer parked consumes whose wait ended, serve
+        those whose queues have something due, move out final deliveries
+        whose lease ran out (master only), and arm the next timer."""
+        timeouts = self._timeouts
+        while timeouts and timeouts[0][0] <= now_ms:
+            _deadline, key = heapq.heappop(timeouts)
+            waiter = self._waiters.get(key)
+            if waiter is not None:
+                self._unpark(waiter)
+                self._answer_empty(waiter.obj, waiter.req, waiter.respond, read_index=True)
+        if self.engine.is_master:
+            for name in list(self.waiting):
+                self._serve(name, now_ms)
+            store = self.store
+            for _ in range(EXPIRE_BATCH):
+                moves = store.decide_expired(now_ms, 1)
+                if not moves:
+                    break
+                self._move(moves[0], now_ms)
+            final_ms = store.next_final_ms()
+            if final_ms is not None:
+                self._arm(final_ms)
+        if timeouts:
+            self._arm(timeouts[0][0])
+
+    def role_changed(self, master: bool) -> None:
+        """The engine's role changed: a new master moves out final leases
+        that ran out while no master was; a master that lost its role
+        answers every parked consume at once with the empty answer."""
+        if master:
+            final_ms = self.store.next_final_ms()
+            if final_ms is not None:
+                self._arm(final_ms)
+            return
+        self.release_parked()
+
+    def release_parked(self) -> None:
+        """Answer every parked consume with the empty answer, now (the node
+        stops being master, or shuts down)."""
+        for waiter in list(self._waiters.values()):
+            self._unpark(waiter)
+            self._answer_empty(waiter.obj, waiter.req, waiter.respond, read_index=False)
+        self._timeouts.clear()
+
     # -- reads -------------------------------------------------------------
+
+    def _show(self, obj: JsonObject, req: ShowRequest, now_ms: int, respond: Respond) -> None:
+        queue = self.store.get(req.queue)
+        msg = None if queue is None else queue.messages.get(req.msg_id)
+        if msg is None:
+            self._refuse_read(obj, "no such message", respond)
+            return
+        obj["code"] = 0
+        obj["message"] = message_view(req.msg_id, msg, now_ms)
+        self._after_read_index(obj, dict(obj), respond)
+
+    def _peek(self, obj: JsonObject, req: PeekRequest, now_ms: int, respond: Respond) -> None:
+        queue = self.store.get(req.queue)
+        messages: list[JsonObject] = []
+        if queue is not None:
+            held = queue.messages
+            for msg_id in islice(queue.due(now_ms), req.limit):
+                view = message_view(msg_id, held[msg_id], now_ms)
+                view["queue"] = req.queue
+                messages.append(view)
+        obj["code"] = 0
+        obj["messages"] = messages
+        self._after_read_index(obj, dict(obj), respond)
 
     def _read(self, obj: JsonObject, local: bool, answer: ReadAnswer,
               req: MonitorRequest | ListRequest, now_ms: int, respond: Respond) -> None:
@@ -378,13 +830,18 @@ class Service:
         if req.queue is not None:
             obj["max_size"] = self.config.queue_size
             queue = self.store.get(req.queue)
+            waiting = len(self.waiting.get(req.queue, ()))
             if queue is None:
-                obj.update(size=0, max_id=0, wait_status=0, ready=0, delayed=0, in_flight=0)
+                obj.update(size=0, max_id=0, wait_status=0, ready=0, delayed=0, in_flight=0,
+                           dead_lettered=0, waiting=waiting, oldest_ready_age=0)
             else:
                 ready, delayed, in_flight = queue.counts(now_ms)
+                since = queue.oldest_ready_ms(now_ms)
                 obj.update(size=len(queue), max_id=queue.max_id,
                            wait_status=queue.wait_status(now_ms), ready=ready,
-                           delayed=delayed, in_flight=in_flight)
+                           delayed=delayed, in_flight=in_flight,
+                           dead_lettered=queue.dead_lettered, waiting=waiting,
+                           oldest_ready_age=0 if since is None else (now_ms - since) / 1000)
         obj["code"] = 0
         return obj
 

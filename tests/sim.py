@@ -1421,7 +1421,8 @@ class Workload:
         if req.kind == "produce":
             outcome = store.decide_produce(req.produce, net.now)
         elif req.kind == "consume":
-            outcome = store.decide_consume(ConsumeRequest(queue=req.queue), net.now)
+            outcome = store.decide_consume(ConsumeRequest((req.queue,), None, 0, 0, False), net.now,
+                                          core.vote_id)
         else:
             outcome = store.decide_confirm(ConfirmRequest(queue=req.queue, msg_id=req.msg_id))
         if type(outcome) is str:  # refused: a definite answer
@@ -1519,7 +1520,7 @@ class Workload:
             self._write_acked(att, f"produce of {req.data}")
         elif req.kind == "consume":
             entry = att.entry
-            msg_id, data = result
+            msg_id, data = result[:2]
             if msg_id != entry.msg_id:
                 self.fail(f"consume decided {entry}, answered {result}")
             self._delivered(_Delivery(att.decided_at, att.now_ms, entry.retry_at_ms, req.queue,
@@ -1714,7 +1715,7 @@ class Workload:
                 while at < t:
                     state.apply(committed[at].entry)
                     at += 1
-                if state.decide_consume(ConsumeRequest(queue=queue), now_ms) is not None:
+                if state.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), now_ms, 1) is not None:
                     self.fail(f"empty consume of {queue} at {now_ms} acknowledged from the "
                               f"state at trans_id {t}, where a message was ready", 7)
 

@@ -49,7 +49,7 @@ def _in_flight_message(net: Network) -> tuple[int, int]:
     targets = _write(net, store.decide_produce(
         ProduceRequest(queue="q", data="job", delay_s=None, ttl_s=None, retry_s=5), net.now))
     msg_id = targets[0][1]
-    consume = store.decide_consume(ConsumeRequest(queue="q"), net.now)
+    consume = store.decide_consume(ConsumeRequest(("q",), None, 0, 0, False), net.now, 1)
     assert type(consume) is Consume and consume.msg_id == msg_id
     _write(net, consume)
     assert net.run_until(net.converged, 5_000)

@@ -59,7 +59,7 @@ def test_produce_times_at_bounds():
 
 
 def test_consume():
-    assert parse_request({"action": 2, "queue": "q"}) == ConsumeRequest(queue="q")
+    assert parse_request({"action": 2, "queue": "q"}) == ConsumeRequest(("q",), None, 0, 0, False)
 
 
 def test_confirm():
@@ -99,7 +99,7 @@ def test_unsupported(action):
 
 def test_extra_fields_are_ignored():
     req = parse_request({"action": 2, "queue": "q", "seq": "abc", "whatever": [1]})
-    assert req == ConsumeRequest(queue="q")
+    assert req == ConsumeRequest(("q",), None, 0, 0, False)
 
 
 # -- bad input ---------------------------------------------------------------

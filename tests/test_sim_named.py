@@ -41,7 +41,7 @@ def produce(net: Network, node: int, queue: str, data: str, results: list,
 
 
 def consume(net: Network, node: int, queue: str, results: list) -> bool:
-    entry = net.core(node).store.decide_consume(ConsumeRequest(queue=queue), net.now)
+    entry = net.core(node).store.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), net.now, 1)
     if entry is None:
         return False
     net.propose(node, entry, results)

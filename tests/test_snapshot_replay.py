@@ -54,7 +54,7 @@ def history(steps) -> list[Record]:
             entry = store.decide_produce(ProduceRequest(
                 queue=queue, data=f"d{len(records)}", delay_s=delay, ttl_s=ttl, retry_s=retry), now)
         elif kind == "consume":
-            entry = store.decide_consume(ConsumeRequest(queue=s[1]), now)
+            entry = store.decide_consume(ConsumeRequest((s[1],), None, 0, 0, False), now, 1)
         else:
             entry = store.decide_confirm(ConfirmRequest(queue=s[1], msg_id=s[2]))
         if entry is None or isinstance(entry, str):

@@ -61,7 +61,7 @@ class Driver:
 
     def decide_consume(self, now, queue="q"):
         before = self.store.to_wire()
-        out = self.store.decide_consume(ConsumeRequest(queue=queue), now)
+        out = self.store.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), now, 1)
         assert self.store.to_wire() == before, "decide must not change state"
         self.store._check()
         return out
@@ -72,7 +72,7 @@ class Driver:
         if out is None or type(out) is str:
             return out
         assert type(out) is Consume
-        return self.apply(out)
+        return self.apply(out)[:2]  # (msg_id, data, deliveries)
 
     def confirm(self, queue, msg_id):
         """True when a message was deleted, None for an unknown one, or a reason."""

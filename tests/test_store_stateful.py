@@ -204,7 +204,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _consume_one(self, queue):
         snapshot = self._snapshot()
         before = self.store.to_wire()
-        out = self.store.decide_consume(ConsumeRequest(queue=queue), self.now)
+        out = self.store.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), self.now, 1)
         assert self.store.to_wire() == before
         expected = self.model.consume(queue, self.now)
         if expected is None:

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from ..state.entries import Entry
 
 __all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "JsonObject", "Respond",
-           "ForwardedHandler", "FatalHandler", "Role"]
+           "ForwardedHandler", "FatalHandler", "RoleHandler", "Cancel", "FORWARD_TIMEOUT_S",
+           "Session", "Role"]
 
 # A client's request or answer: a decoded JSON object.
 JsonObject = dict[str, Any]
@@ -31,10 +32,60 @@ JsonObject = dict[str, Any]
 Done = Callable[[Any, "str | None"], None]
 # Sends one answer to a client.
 Respond = Callable[[JsonObject], None]
-# The node's service, for a request a slave forwarded: (request, now_ms, respond).
-ForwardedHandler = Callable[[JsonObject, int, Respond], None]
+# A forwarded request that the master has not answered in this time is
+# answered "forward timeout" (the write may or may not have happened). Long
+# enough for a quorum write on a loaded cluster, short enough that a client
+# of a master that hangs without dropping its links hears something. A
+# consume that may wait is given its `wait` on top.
+FORWARD_TIMEOUT_S = 10.0
+
+# Drops something that waits for an answer (a forwarded request, a parked
+# consume): its answer will never be sent.
+Cancel = Callable[[], None]
+
+
+class Session:
+    """What a client connection has waiting (parked consumes, forwarded
+    requests that may park): when the client goes, `close()` cancels each,
+    so that nothing is taken for a consumer that is gone. UDP requests
+    have no session (a datagram's sender cannot be seen to go)."""
+
+    __slots__ = ("_cancels", "closed", "_next")
+
+    def __init__(self) -> None:
+        self._cancels: dict[int, Cancel] = {}  # key -> cancel, while it waits
+        self.closed = False
+        self._next = 0
+
+    def add(self, cancel: Cancel) -> int:
+        """Register a wait; returns the key that `discard` takes once it is
+        answered."""
+        self._next += 1
+        self._cancels[self._next] = cancel
+        return self._next
+
+    def discard(self, key: int) -> None:
+        self._cancels.pop(key, None)
+
+    def close(self) -> None:
+        """The client went: cancel everything still waiting."""
+        self.closed = True
+        cancels = list(self._cancels.values())
+        self._cancels.clear()
+        for cancel in cancels:
+            cancel()
+
+    def __len__(self) -> int:
+        return len(self._cancels)
+
+
+# The node's service, for a request a slave forwarded: (request, now_ms,
+# respond, session); the session is closed if the slave's client goes.
+ForwardedHandler = Callable[[JsonObject, int, Respond, Session | None], None]
 # Told when the engine cannot go on (a write or fsync failed): the node stops.
 FatalHandler = Callable[[BaseException], None]
+# Told when this node becomes master (True) or stops being master (False).
+RoleHandler = Callable[[bool], None]
 
 
 class Role(enum.Enum):
@@ -85,6 +136,12 @@ class Engine(Protocol):
     # engine cannot go on (the node stops at once).
     handle_forwarded: ForwardedHandler | None
     on_fatal: FatalHandler | None
+    on_role_change: RoleHandler | None
+
+    # While master: a positive number that no other master ever uses (the
+    # native engine's vote_id; the raft engine's epoch): receipts carry it.
+    @property
+    def epoch(self) -> int: ...
 
     async def start(self) -> None:
         """Open links, timers and threads (on the running loop). Raises
@@ -116,11 +173,13 @@ class Engine(Protocol):
         answers that append no entry (master only)."""
 
     def forward(self, request: JsonObject, respond: Respond,
-                timeout_s: float | None = None) -> bool:
+                timeout_s: float | None = None) -> Cancel | None:
         """Relay a client request to the master (slaves only); `respond`
         gets the master's answer, or a failure if none comes within
-        `timeout_s` (forwarding.FORWARD_TIMEOUT_S if None). False when no
-        master is reachable, in which case `respond` is never called."""
+        `timeout_s` (forwarding.FORWARD_TIMEOUT_S if None). Returns what
+        cancels it (the client went: the master drops it, `respond` is not
+        called); None when no master is reachable, in which case `respond`
+        is never called."""
 
     def status(self) -> EngineStatus:
         """What monitor reports about replication on this node."""

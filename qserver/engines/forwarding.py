@@ -12,6 +12,13 @@ master may park, say).
 Master side: `serve(peer_id, msg, handler)` hands the request to the
 node's service (the engine's `handle_forwarded`, set by the node) and sends
 its answer back to the slave that asked.
+
+A request that may wait on the master (a consume with `wait`) gets a
+`Session` there, as a client connection has: if the slave's client goes,
+the slave's `forward` returns a cancel that sends a `ForwardCancel`, and
+the master closes that session, so no message is taken for a consumer that
+is gone; if the link to the slave breaks, the master closes the sessions of
+every request of that slave.
 """
 
 from __future__ import annotations
@@ -20,17 +27,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from .base import ForwardedHandler, Respond
-from .messages import Forward, ForwardReply, message_to_wire
+from .base import FORWARD_TIMEOUT_S, Cancel, ForwardedHandler, Respond, Session
+from .messages import Forward, ForwardCancel, ForwardReply, message_to_wire
 from .peers import PeerNetwork
 
 __all__ = ["Forwarder", "FORWARD_TIMEOUT_S", "wall_ms"]
 
-# A forwarded request that the master has not answered in this time is
-# answered "forward timeout" (the write may or may not have happened). Long
-# enough for a quorum write on a loaded cluster, short enough that a client
-# of a master that hangs without dropping its links hears something.
-FORWARD_TIMEOUT_S = 10.0
 
 
 
@@ -60,25 +62,36 @@ class Forwarder:
         # exists exactly while its client has not been answered.
         self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int]] = {}
         self._next_id = 1
+        # (slave, its request_id) -> the session of a request served here
+        # that may wait (a consume with `wait`), until it is answered
+        self._served: dict[tuple[int, int], Session] = {}
 
     def forward(self, leader_id: int, request: dict, respond: Respond,
-                timeout_s: float | None = None) -> bool:
+                timeout_s: float | None = None) -> Cancel | None:
         """Send `request` to the master `leader_id`; `respond` gets its
         answer, or a failure after `timeout_s` (FORWARD_TIMEOUT_S if None).
-        False, without calling `respond`, if the link to the master is down."""
+        Returns what cancels it (see the module docstring); None, without
+        calling `respond`, if the link to the master is down."""
         if not self.net.connected(leader_id):
-            return False
+            return None
         request_id = self._next_id
         self._next_id += 1
         msg = Forward(vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id,
                       request=request)
         if not self.net.send(leader_id, message_to_wire(msg)):
-            return False
+            return None
         timer = asyncio.get_running_loop().call_later(
             FORWARD_TIMEOUT_S if timeout_s is None else timeout_s,
             self._fail, request_id, TIMED_OUT)
         self._pending[request_id] = (respond, timer, leader_id)
-        return True
+
+        def cancel() -> None:
+            pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                pending[1].cancel()
+                self.net.send(leader_id, message_to_wire(ForwardCancel(
+                    vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id)))
+        return cancel
 
     def on_reply(self, msg: ForwardReply) -> None:
         """The master answered a request we forwarded."""
@@ -91,7 +104,14 @@ class Forwarder:
         """A slave forwarded a client request to us: answer it through
         `handler` (the service; None before the node set it), and send the
         answer back."""
+        session: Session | None = None
+        key = (peer_id, msg.request_id)
+        if msg.request.get("wait"):  # it may park: the slave may cancel it
+            session = self._served[key] = Session()
+
         def respond(response: dict) -> None:
+            if session is not None:
+                self._served.pop(key, None)
             reply = ForwardReply(vote_id=self._vote_id(), node_id=self.node_id,
                                  request_id=msg.request_id, response=response)
             self.net.send(peer_id, message_to_wire(reply))
@@ -99,7 +119,13 @@ class Forwarder:
         if handler is None:
             respond({"code": -1, "reason": NO_LEADER})
             return
-        handler(msg.request, wall_ms(), respond)
+        handler(msg.request, wall_ms(), respond, session)
+
+    def on_cancel(self, peer_id: int, msg: ForwardCancel) -> None:
+        """The slave's client went: drop what its request waits for."""
+        session = self._served.pop((peer_id, msg.request_id), None)
+        if session is not None:
+            session.close()
 
     def link_down(self, peer_id: int) -> None:
         """The link to `peer_id` broke: the requests forwarded to it will not
@@ -107,11 +133,17 @@ class Forwarder:
         for request_id, (_, _, target) in list(self._pending.items()):
             if target == peer_id:
                 self._fail(request_id, MASTER_UNREACHABLE)
+        for key in [key for key in self._served if key[0] == peer_id]:
+            self._served.pop(key).close()  # its answer could not reach the slave
 
     def close(self) -> None:
         """The node is stopping: answer every request still waiting."""
         for request_id in list(self._pending):
             self._fail(request_id, SHUTTING_DOWN)
+        served = list(self._served.values())
+        self._served.clear()
+        for session in served:
+            session.close()
 
     @property
     def waiting(self) -> int:

@@ -16,6 +16,7 @@ from ..state.entries import Entry
 from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
 from .base import (
+    Cancel,
     Done,
     EngineStatus,
     FatalHandler,
@@ -24,6 +25,7 @@ from .base import (
     LeaderInfo,
     Respond,
     Role,
+    RoleHandler,
 )
 
 __all__ = ["LocalEngine"]
@@ -32,7 +34,8 @@ __all__ = ["LocalEngine"]
 class LocalEngine:
     """One node, master forever (vote_id 1)."""
 
-    def __init__(self, *, store: Store, log: Log, me: LeaderInfo, log_size: int) -> None:
+    def __init__(self, *, store: Store, log: Log, me: LeaderInfo, log_size: int,
+                 epoch: int = 1) -> None:
         self.store = store
         self.log = log
         self.me = me
@@ -46,6 +49,11 @@ class LocalEngine:
         # Nothing is forwarded to a lone node, and nothing here can fail.
         self.handle_forwarded: ForwardedHandler | None = None
         self.on_fatal: FatalHandler | None = None
+        self.on_role_change: RoleHandler | None = None  # never called: the role never changes
+        # Receipts' epoch. The node passes its start time in seconds: a node
+        # without storage starts empty and reuses msg_ids, and a receipt
+        # from before a restart must not match a new delivery.
+        self.epoch = epoch
 
     async def start(self) -> None:
         pass  # no links, timers or threads
@@ -84,8 +92,8 @@ class LocalEngine:
         done(None, None)  # every entry commits as it is appended
 
     def forward(self, request: JsonObject, respond: Respond,
-                timeout_s: float | None = None) -> bool:
-        return False  # always master: nothing to forward to
+                timeout_s: float | None = None) -> Cancel | None:
+        return None  # always master: nothing to forward to
 
     def status(self) -> EngineStatus:
         last = self.log.last_trans_id

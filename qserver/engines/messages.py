@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
-    "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "Message", "message_to_wire",
-    "message_from_wire", "message_from_peer",
+    "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "ForwardCancel", "Message",
+    "message_to_wire", "message_from_wire", "message_from_peer",
 ]
 
 
@@ -173,8 +173,19 @@ class ForwardReply:
     response: dict[str, Any]  # the master's JSON answer
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardCancel:
+    """The slave's client left before its forwarded request was answered
+    (a parked consume): the master drops it, so that no message is taken
+    for a consumer that is gone."""
+
+    vote_id: int
+    node_id: int
+    request_id: int
+
+
 Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Snapshot
-           | SnapshotChunk | SnapshotAck | Forward | ForwardReply)
+           | SnapshotChunk | SnapshotAck | Forward | ForwardReply | ForwardCancel)
 
 
 def message_to_wire(msg: Message) -> list[Any]:
@@ -208,6 +219,8 @@ def message_to_wire(msg: Message) -> list[Any]:
                 msg.data, msg.last]
     if type(msg) is SnapshotAck:
         return [12, msg.vote_id, msg.node_id, msg.trans_id, msg.offset]
+    if type(msg) is ForwardCancel:
+        return [13, msg.vote_id, msg.node_id, msg.request_id]
     raise TypeError(f"not a message: {msg!r}")
 
 
@@ -318,6 +331,9 @@ def message_from_wire(obj: object) -> Message:
     if tag == 12 and n == 5:
         return SnapshotAck(vote_id=vote_id, node_id=node_id, trans_id=_n(obj[3], "trans_id"),
                            offset=_n(obj[4], "offset"))
+    if tag == 13 and n == 4:
+        return ForwardCancel(vote_id=vote_id, node_id=node_id,
+                             request_id=_n(obj[3], "request_id"))
     raise ValueError(f"unknown message tag {tag!r} with {n} fields")
 
 

@@ -31,12 +31,23 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
+from ..wire.requests import MAX_DELIVERIES
+
 __all__ = [
     "Kind",
     "Noop",
     "Produce",
     "Consume",
     "Confirm",
+    "ConsumeMany",
+    "Nack",
+    "Touch",
+    "DeadLetter",
+    "Configure",
+    "FINAL_NONE",
+    "FINAL_MAX_DELIVERIES",
+    "FINAL_EXPIRED",
+    "SETTINGS",
     "Entry",
     "Record",
     "entry_to_wire",
@@ -51,6 +62,20 @@ class Kind(enum.IntEnum):
     PRODUCE = 1
     CONSUME = 2
     CONFIRM = 3
+    CONSUME_MANY = 4
+    NACK = 5
+    TOUCH = 6
+    DEAD_LETTER = 7
+    CONFIGURE = 8
+
+
+# What happens when a delivery's lease runs out unconfirmed (`final`): it
+# comes back (FINAL_NONE), or it was the message's last delivery and the
+# message leaves its queue, to the dead-letter queue or deleted, for this
+# reason. The numbers are stored; the names are what show answers.
+FINAL_NONE = 0
+FINAL_MAX_DELIVERIES = 1  # delivered max_deliveries times
+FINAL_EXPIRED = 2  # its ttl ended its retries
 
 
 class Noop(NamedTuple):
@@ -75,14 +100,73 @@ class Produce(NamedTuple):
 class Consume(NamedTuple):
     """Delivery of `msg_id` from `queue`.
 
-    `retry_at_ms` is the absolute time at which the message becomes
-    deliverable again unless confirmed; 0 means the message is deleted by
-    this delivery (at-most-once, or its last delivery before the ttl).
+    `retry_at_ms` is the absolute time at which the lease runs out: the
+    message becomes deliverable again unless confirmed (or, if `final` is
+    not FINAL_NONE, leaves the queue then); 0 means the message is deleted
+    by this delivery (at-most-once, or its last delivery before the ttl).
+    `epoch` names the master that decided it (its vote_id, or the raft
+    engine's epoch number): the delivery's receipt is (epoch, msg_id,
+    deliveries), unique across failovers because one epoch has one master
+    and a message's deliveries only grow. 0 = no receipt (entries written
+    before receipts existed; at-most-once and last deliveries).
     """
 
     queue: str
     msg_id: int
     retry_at_ms: int
+    epoch: int = 0
+    final: int = FINAL_NONE
+
+
+class ConsumeMany(NamedTuple):
+    """Several deliveries decided together (a consume with `count`, or
+    from several queues): (queue, msg_id, retry_at_ms, final) each, in
+    delivery order, as `Consume`'s fields."""
+
+    items: tuple[tuple[str, int, int, int], ...]
+    epoch: int
+
+
+class Nack(NamedTuple):
+    """An in-flight message given back: deliverable again at `ready_ms`
+    (its lease ends, its nacks count grows)."""
+
+    queue: str
+    msg_id: int
+    ready_ms: int
+
+
+class Touch(NamedTuple):
+    """An in-flight message's lease changed: it runs out at `retry_at_ms`;
+    `final` as in `Consume` (a lease reaching the ttl makes it final)."""
+
+    queue: str
+    msg_id: int
+    retry_at_ms: int
+    final: int
+
+
+class DeadLetter(NamedTuple):
+    """`msg_id` leaves `queue` for `reason` (FINAL_MAX_DELIVERIES or
+    FINAL_EXPIRED): deleted, and produced as a new message into each of
+    `targets` ((queue, msg_id) pairs: the dead-letter queue, or its real
+    queues if it is virtual; empty without a dead-letter queue), ready at
+    `ready_ms`, with a fresh ttl `ttl_ms` and the origin fields."""
+
+    queue: str
+    msg_id: int
+    reason: int
+    targets: tuple[tuple[str, int], ...]
+    ready_ms: int
+    ttl_ms: int
+
+
+class Configure(NamedTuple):
+    """A queue's settings changed: (name, value) pairs of SETTINGS. Creates
+    the queue if it does not exist."""
+
+    queue: str
+    settings: tuple[tuple[str, object], ...]
 
 
 class Confirm(NamedTuple):
@@ -92,7 +176,27 @@ class Confirm(NamedTuple):
     msg_id: int
 
 
-Entry = Noop | Produce | Consume | Confirm
+Entry = Noop | Produce | Consume | Confirm | ConsumeMany | Nack | Touch | DeadLetter | Configure
+
+
+def _max_deliveries(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_DELIVERIES:
+        raise ValueError(f"must be an integer from 0 to {MAX_DELIVERIES}")
+    return value
+
+
+def _dead_letter(value: object) -> str:
+    # "" = none; otherwise a queue name (the request layer checks its length)
+    if type(value) is not str or len(value) > 255:
+        raise ValueError("must be a queue name")
+    return value
+
+
+# A queue's settings, each with its check (raises ValueError) and default.
+SETTINGS: dict[str, tuple[Any, object]] = {
+    "max_deliveries": (_max_deliveries, 0),  # 0 = unlimited
+    "dead_letter": (_dead_letter, ""),  # "" = none: such messages are deleted
+}
 
 
 class Record(NamedTuple):
@@ -109,11 +213,25 @@ def entry_to_wire(entry: Entry) -> list[Any]:
         return [Kind.PRODUCE, [list(t) for t in entry.targets], entry.data,
                 entry.ready_ms, entry.ttl_ms, entry.retry_ms]
     if type(entry) is Consume:
+        if entry.epoch or entry.final:
+            return [Kind.CONSUME, entry.queue, entry.msg_id, entry.retry_at_ms, entry.epoch,
+                    entry.final]
         return [Kind.CONSUME, entry.queue, entry.msg_id, entry.retry_at_ms]
     if type(entry) is Confirm:
         return [Kind.CONFIRM, entry.queue, entry.msg_id]
     if type(entry) is Noop:
         return [Kind.NOOP]
+    if type(entry) is ConsumeMany:
+        return [Kind.CONSUME_MANY, [list(i) for i in entry.items], entry.epoch]
+    if type(entry) is Nack:
+        return [Kind.NACK, entry.queue, entry.msg_id, entry.ready_ms]
+    if type(entry) is Touch:
+        return [Kind.TOUCH, entry.queue, entry.msg_id, entry.retry_at_ms, entry.final]
+    if type(entry) is DeadLetter:
+        return [Kind.DEAD_LETTER, entry.queue, entry.msg_id, entry.reason,
+                [list(t) for t in entry.targets], entry.ready_ms, entry.ttl_ms]
+    if type(entry) is Configure:
+        return [Kind.CONFIGURE, entry.queue, [list(s) for s in entry.settings]]
     raise TypeError(f"not an entry: {entry!r}")
 
 
@@ -137,6 +255,43 @@ def _str(value: object, what: str) -> str:
     return value
 
 
+def _final(value: object) -> int:
+    if value not in (FINAL_NONE, FINAL_MAX_DELIVERIES, FINAL_EXPIRED) or type(value) is not int:
+        raise ValueError(f"final must be 0, 1 or 2, got {value!r}")
+    return value
+
+
+def _targets(raw: object, *, empty: bool) -> tuple[tuple[str, int], ...]:
+    if not isinstance(raw, (list, tuple)) or (not raw and not empty):
+        raise ValueError("targets must be a non-empty list")
+    targets = []
+    for t in raw:
+        if not isinstance(t, (list, tuple)) or len(t) != 2:
+            raise ValueError("target must be [queue, msg_id]")
+        targets.append((_str(t[0], "queue"), _id(t[1], "msg_id")))
+    if len({name for name, _ in targets}) != len(targets):
+        raise ValueError("targets name a queue twice")
+    return tuple(targets)
+
+
+def _settings(raw: object) -> tuple[tuple[str, object], ...]:
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError("settings must be a list")
+    out = []
+    for pair in raw:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("setting must be [name, value]")
+        name, value = pair
+        known = SETTINGS.get(name) if type(name) is str else None
+        if known is None:
+            raise ValueError(f"unknown setting {name!r}")
+        try:
+            out.append((name, known[0](value)))
+        except ValueError as exc:
+            raise ValueError(f"setting {name}: {exc}") from None
+    return tuple(out)
+
+
 def entry_from_wire(obj: object) -> Entry:
     """Decode and validate an entry; raises ValueError when malformed."""
     if not isinstance(obj, (list, tuple)) or not obj:
@@ -146,26 +301,46 @@ def entry_from_wire(obj: object) -> Entry:
     if type(kind) is not int and type(kind) is not Kind:
         raise ValueError(f"entry kind must be an integer, got {kind!r}")
     if kind == Kind.PRODUCE and len(obj) == 6:
-        raw_targets = obj[1]
-        if not isinstance(raw_targets, (list, tuple)) or not raw_targets:
-            raise ValueError("produce targets must be a non-empty list")
-        targets = []
-        for t in raw_targets:
-            if not isinstance(t, (list, tuple)) or len(t) != 2:
-                raise ValueError("produce target must be [queue, msg_id]")
-            targets.append((_str(t[0], "queue"), _id(t[1], "msg_id")))
-        if len({name for name, _ in targets}) != len(targets):
-            raise ValueError("produce targets name a queue twice")
-        return Produce(targets=tuple(targets), data=_str(obj[2], "data"),
+        return Produce(targets=_targets(obj[1], empty=False), data=_str(obj[2], "data"),
                        ready_ms=_int(obj[3], "ready_ms"), ttl_ms=_int(obj[4], "ttl_ms"),
                        retry_ms=_int(obj[5], "retry_ms"))
-    if kind == Kind.CONSUME and len(obj) == 4:
+    if kind == Kind.CONSUME and len(obj) in (4, 6):
         return Consume(queue=_str(obj[1], "queue"), msg_id=_id(obj[2], "msg_id"),
-                       retry_at_ms=_int(obj[3], "retry_at_ms"))
+                       retry_at_ms=_int(obj[3], "retry_at_ms"),
+                       epoch=_int(obj[4], "epoch") if len(obj) == 6 else 0,
+                       final=_final(obj[5]) if len(obj) == 6 else FINAL_NONE)
     if kind == Kind.CONFIRM and len(obj) == 3:
         return Confirm(queue=_str(obj[1], "queue"), msg_id=_id(obj[2], "msg_id"))
     if kind == Kind.NOOP and len(obj) == 1:
         return Noop()
+    if kind == Kind.CONSUME_MANY and len(obj) == 3:
+        raw = obj[1]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise ValueError("consume items must be a non-empty list")
+        items = []
+        for item in raw:
+            if not isinstance(item, (list, tuple)) or len(item) != 4:
+                raise ValueError("consume item must be [queue, msg_id, retry_at_ms, final]")
+            items.append((_str(item[0], "queue"), _id(item[1], "msg_id"),
+                          _int(item[2], "retry_at_ms"), _final(item[3])))
+        if len({(q, i) for q, i, _, _ in items}) != len(items):
+            raise ValueError("consume items name a message twice")
+        return ConsumeMany(items=tuple(items), epoch=_int(obj[2], "epoch"))
+    if kind == Kind.NACK and len(obj) == 4:
+        return Nack(queue=_str(obj[1], "queue"), msg_id=_id(obj[2], "msg_id"),
+                    ready_ms=_int(obj[3], "ready_ms"))
+    if kind == Kind.TOUCH and len(obj) == 5:
+        return Touch(queue=_str(obj[1], "queue"), msg_id=_id(obj[2], "msg_id"),
+                     retry_at_ms=_id(obj[3], "retry_at_ms"), final=_final(obj[4]))
+    if kind == Kind.DEAD_LETTER and len(obj) == 7:
+        reason = _final(obj[3])
+        if reason == FINAL_NONE:
+            raise ValueError("dead letter needs a reason")
+        return DeadLetter(queue=_str(obj[1], "queue"), msg_id=_id(obj[2], "msg_id"),
+                          reason=reason, targets=_targets(obj[4], empty=True),
+                          ready_ms=_int(obj[5], "ready_ms"), ttl_ms=_int(obj[6], "ttl_ms"))
+    if kind == Kind.CONFIGURE and len(obj) == 3:
+        return Configure(queue=_str(obj[1], "queue"), settings=_settings(obj[2]))
     raise ValueError(f"unknown entry kind {kind!r} with {len(obj)} fields")
 
 

@@ -71,9 +71,11 @@ This module does no I/O.
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import takewhile
 from typing import Any, Final
 
 from sortedcontainers import SortedList
@@ -85,9 +87,25 @@ from ..wire.requests import (
     ConsumeRequest,
     ProduceRequest,
 )
-from .entries import Confirm, Consume, Entry, Noop, Produce
+from .entries import (
+    FINAL_EXPIRED,
+    FINAL_MAX_DELIVERIES,
+    FINAL_NONE,
+    SETTINGS,
+    Configure,
+    Confirm,
+    Consume,
+    ConsumeMany,
+    DeadLetter,
+    Entry,
+    Nack,
+    Noop,
+    Produce,
+    Touch,
+)
 
-__all__ = ["Message", "Queue", "Store", "SnapshotLoader", "DEFAULT_TTL_MS", "WAIT_STATUS_SAMPLE"]
+__all__ = ["Message", "Queue", "Store", "SnapshotLoader", "DEFAULT_TTL_MS", "WAIT_STATUS_SAMPLE",
+           "Receipt", "receipt_text", "message_view", "REASON_NAMES"]
 
 _ID_BITS = 64
 _ID_MASK = (1 << _ID_BITS) - 1
@@ -104,6 +122,8 @@ DEFAULT_TTL_MS = 3_600_000
 # Undo record tags (see Store.apply's `undo` and Store.revert).
 _UNPRODUCE = "unproduce"  # (tag, queue, msg_id, previous max_id, queue created)
 _RESTORE = "restore"  # (tag, queue, msg_id, the Message as it was)
+_RECOUNT = "recount"  # (tag, queue, dead_lettered as it was)
+_RESET = "reset"  # (tag, queue, settings as they were, queue created)
 
 # wait_status sums the waiting time of at most this many of the oldest ready
 # messages (queue_server's sample size): a cheap congestion signal.
@@ -113,7 +133,8 @@ WAIT_STATUS_CAP_S = 255
 
 
 # A message is a plain tuple (data, ready_ms, ttl_ms, retry_ms, retry_at_ms),
-# read through these indexes, rather than an object: tuples of atomic values
+# longer once it has been delivered or is a dead letter (below), read
+# through these indexes, rather than an object: tuples of atomic values
 # are untracked by the cyclic garbage collector, so a million stored
 # messages cost its full passes nothing (with objects, those passes cost
 # more than the rest of a produce; bench/). Exact tuples only: CPython does
@@ -121,15 +142,93 @@ WAIT_STATUS_CAP_S = 255
 # tuple instead of mutating it.
 #   data: the client's string; ready_ms: when first deliverable;
 #   ttl_ms: a delivery whose next retry reaches it is the last;
-#   retry_ms: 0 = at-most-once; retry_at_ms: 0 while pending, else its key
-#   time in `retrying`.
-Message = tuple[str, int, int, int, int]
-# (Final: mypy then knows each index, and so each field's type.)
+#   retry_ms: 0 = at-most-once; retry_at_ms: 0 while waiting for a
+#   delivery, else when the current delivery's lease runs out (its key
+#   time in `retrying` or `finals`).
+# A message delivered at least once (or nacked) has 9 fields, the 5 and
+#   deliveries, nacks: how often it was delivered and nacked;
+#   epoch: of the master that decided its current delivery (0: none);
+#     with msg_id and deliveries it makes the delivery's receipt;
+#   final: FINAL_NONE, or why it leaves when its lease runs out (`finals`).
+# A dead letter has 12: the 9 (zeros until delivered) and
+#   origin_queue, origin_msg_id, reason (FINAL_MAX_DELIVERIES/FINAL_EXPIRED).
+# Never-delivered messages keep the short form: the extra fields would cost
+# a million stored messages 24 MB.
+Message = tuple[Any, ...]
+# (Final: mypy then knows each index.)
 DATA: Final = 0
 READY_MS: Final = 1
 TTL_MS: Final = 2
 RETRY_MS: Final = 3
 RETRY_AT_MS: Final = 4
+DELIVERIES: Final = 5
+NACKS: Final = 6
+EPOCH: Final = 7
+FINAL: Final = 8
+ORIGIN_QUEUE: Final = 9
+ORIGIN_MSG_ID: Final = 10
+REASON: Final = 11
+# The lengths a message tuple may have.
+_SHORT, _DELIVERED, _DEAD_LETTER = 5, 9, 12
+
+# The names of a dead letter's reason, as show and the README give them.
+REASON_NAMES = {FINAL_MAX_DELIVERIES: "max_deliveries", FINAL_EXPIRED: "expired"}
+
+# A receipt as the request layer parsed it: (epoch, msg_id, deliveries);
+# (0, 0, 0) for a string that is not a receipt (it matches nothing).
+Receipt = tuple[int, int, int]
+
+
+def receipt_text(epoch: int, msg_id: int, deliveries: int) -> str:
+    """The receipt string a client gets for a delivery."""
+    return f"{epoch}.{msg_id}.{deliveries}"
+
+
+def _receipt_matches(msg_id: int, msg: Message, receipt: Receipt) -> bool:
+    """Whether `receipt` names the message's current delivery."""
+    return (len(msg) > _SHORT and msg[EPOCH] != 0 and receipt[0] == msg[EPOCH]
+            and receipt[1] == msg_id and receipt[2] == msg[DELIVERIES])
+
+
+def _with_delivery(msg: Message, retry_at_ms: int, epoch: int, final: int) -> Message:
+    """`msg` delivered once more: its lease runs out at `retry_at_ms`."""
+    if len(msg) == _SHORT:
+        return (msg[0], msg[1], msg[2], msg[3], retry_at_ms, 1, 0, epoch, final)
+    return (msg[0], msg[1], msg[2], msg[3], retry_at_ms, msg[DELIVERIES] + 1, msg[NACKS],
+            epoch, final, *msg[_DELIVERED:])
+
+
+def _long(msg: Message) -> Message:
+    """`msg` with the delivery fields: a message that was in flight when an
+    old log or snapshot was written has the short form (delivered at least
+    once, no receipt)."""
+    if len(msg) > _SHORT:
+        return msg
+    return (*msg, 1 if msg[RETRY_AT_MS] else 0, 0, 0, FINAL_NONE)
+
+
+def message_view(msg_id: int, msg: Message, now_ms: int) -> dict[str, Any]:
+    """What show and peek answer for a message (times in unix seconds)."""
+    retry_at_ms = msg[RETRY_AT_MS]
+    if retry_at_ms:
+        final = len(msg) > _SHORT and msg[FINAL]
+        state = "in_flight" if final or retry_at_ms > now_ms else "ready"
+    else:
+        state = "ready" if msg[READY_MS] <= now_ms else "delayed"
+    long = len(msg) > _SHORT
+    view: dict[str, Any] = {
+        "msg_id": msg_id, "state": state, "data": msg[DATA], "priority": DEFAULT_PRIORITY,
+        "ready_at": msg[READY_MS] / 1000, "ttl": msg[TTL_MS] / 1000, "retry": msg[RETRY_MS] / 1000,
+        "retry_at": retry_at_ms / 1000, "deliveries": msg[DELIVERIES] if long else 0,
+        "nacks": msg[NACKS] if long else 0}
+    if len(msg) == _DEAD_LETTER:
+        view.update(origin_queue=msg[ORIGIN_QUEUE], origin_msg_id=msg[ORIGIN_MSG_ID],
+                    dead_letter_reason=REASON_NAMES[msg[REASON]])
+    return view
+
+
+# beanstalkd's default priority; every message has it until priorities exist.
+DEFAULT_PRIORITY = 1024
 
 
 # sortedcontainers ships no type information: to mypy SortedList is Any.
@@ -188,7 +287,8 @@ class _Keys(SortedList):  # type: ignore[misc]
 class Queue:
     """A real queue: messages by id, plus the FIFO, pending and retry indexes."""
 
-    __slots__ = ("name", "messages", "fifo", "fifo_ready", "pending", "retrying", "max_id")
+    __slots__ = ("name", "messages", "fifo", "fifo_ready", "pending", "retrying", "finals",
+                 "max_id", "max_deliveries", "dead_letter", "dead_lettered")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -198,8 +298,13 @@ class Queue:
         # >= the ready_ms of the FIFO's tail (may be higher, never lower); any value when empty
         self.fifo_ready = 0
         self.pending = _Keys()  # keys of never-delivered messages not in `fifo`
-        self.retrying = _Keys()  # keys of delivered, unconfirmed messages
+        self.retrying = _Keys()  # keys of delivered, unconfirmed messages that come back
+        self.finals = _Keys()  # ...that leave the queue when their lease runs out
         self.max_id = 0  # highest msg_id ever assigned; ids never repeat
+        # Settings (entries.SETTINGS; Configure entries change them).
+        self.max_deliveries = 0  # 0 = unlimited
+        self.dead_letter = ""  # "" = none
+        self.dead_lettered = 0  # messages that left by the dead-letter rules
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -224,6 +329,61 @@ class Queue:
             best = key
         return None if best is None else best & _ID_MASK
 
+    def due(self, now_ms: int) -> Iterator[int]:
+        """The msg_ids a series of consumes at `now_ms` would deliver, in
+        that order (the indexes merged by key). The queue must not change
+        while this runs. O(log n) per id."""
+        limit = (now_ms + 1) << _ID_BITS
+        messages = self.messages
+
+        def fifo_keys() -> Iterator[int]:
+            for msg_id in self.fifo:
+                key = messages[msg_id][READY_MS] << _ID_BITS | msg_id
+                if key >= limit:
+                    return
+                yield key
+
+        def below(key: int) -> bool:
+            return key < limit
+
+        for key in heapq.merge(fifo_keys(), takewhile(below, self.pending),
+                               takewhile(below, self.retrying)):
+            yield key & _ID_MASK
+
+    def next_ready_ms(self) -> int | None:
+        """The earliest time at which a message is (or was) deliverable:
+        the least key time of the three indexes, or None. O(1)."""
+        best: int | None = None
+        if self.fifo:
+            best = self.messages[self.fifo[0]][READY_MS]
+        for keys in (self.pending, self.retrying):
+            key = keys.first()
+            if key is not None and (best is None or key >> _ID_BITS < best):
+                best = key >> _ID_BITS
+        return best
+
+    def oldest_ready_ms(self, now_ms: int) -> int | None:
+        """Since when the longest-waiting deliverable message has been
+        deliverable, or None. O(1)."""
+        msg_id = self.next_due(now_ms)
+        if msg_id is None:
+            return None
+        msg = self.messages[msg_id]
+        since: int = msg[RETRY_AT_MS] or msg[READY_MS]
+        return since
+
+    def index(self, msg_id: int, msg: Message) -> None:
+        """Index a message that is in `messages` and in no index, by its
+        fields: `retrying`, `finals`, or the FIFO/`pending`. O(log n)."""
+        retry_at_ms = msg[RETRY_AT_MS]
+        if retry_at_ms:
+            if len(msg) > _SHORT and msg[FINAL]:
+                self.finals.add(retry_at_ms << _ID_BITS | msg_id)
+            else:
+                self.retrying.add(retry_at_ms << _ID_BITS | msg_id)
+        else:
+            self.index_pending(msg_id, msg)
+
     def _fifo_ready_count(self, now_ms: int) -> int:
         """How many FIFO messages are ready at `now_ms`. O(log n) probes of
         O(n/64) each (a deque index walks its 64-slot blocks): about 0.5 ms
@@ -240,7 +400,7 @@ class Queue:
         retry_due = self.retrying.bisect_left(limit)
         return (pending_ready + retry_due,
                 len(self.pending) + len(self.fifo) - pending_ready,
-                len(self.retrying) - retry_due)
+                len(self.retrying) - retry_due + len(self.finals))
 
     def wait_status(self, now_ms: int) -> int:
         """queue_server's congestion figure: the seconds waited by the oldest
@@ -272,9 +432,41 @@ class Queue:
         of the FIFO."""
         retry_at_ms = msg[RETRY_AT_MS]
         if retry_at_ms:
-            self.retrying.remove(retry_at_ms << _ID_BITS | msg_id)
+            if len(msg) > _SHORT and msg[FINAL]:
+                self.finals.remove(retry_at_ms << _ID_BITS | msg_id)
+            else:
+                self.retrying.remove(retry_at_ms << _ID_BITS | msg_id)
         else:
             self.unindex_pending(msg_id, msg[READY_MS])
+
+    def settings(self) -> dict[str, Any]:
+        """The queue's settings, as config (5) answers them."""
+        return {"max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter or None}
+
+    def extras(self) -> dict[str, Any]:
+        """The queue's state besides its messages and max_id, where it is not
+        the default (the snapshot's form; {} for most queues)."""
+        out: dict[str, Any] = {}
+        for name, (_check, default) in SETTINGS.items():
+            value = getattr(self, name)
+            if value != default:
+                out[name] = value
+        if self.dead_lettered:
+            out["dead_lettered"] = self.dead_lettered
+        return out
+
+    def load_extras(self, extras: Mapping[str, Any]) -> None:
+        """Set what `extras()` gave; raises ValueError on anything else."""
+        for name, value in extras.items():
+            if name == "dead_lettered":
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"queue {self.name}: bad dead_lettered {value!r}")
+                self.dead_lettered = value
+                continue
+            known = SETTINGS.get(name)
+            if known is None:
+                raise ValueError(f"queue {self.name}: unknown setting {name!r}")
+            setattr(self, name, known[0](value))
 
     def unindex_pending(self, msg_id: int, ready_ms: int) -> None:
         """Remove a never-delivered message from the FIFO or `pending`.
@@ -328,7 +520,8 @@ class Queue:
         """Verify this queue's invariants; raises InvariantError."""
         self.pending._check()
         self.retrying._check()
-        sizes = (len(self.fifo), len(self.pending), len(self.retrying))
+        self.finals._check()
+        sizes = (len(self.fifo), len(self.pending), len(self.retrying), len(self.finals))
         if sum(sizes) != len(self.messages):
             raise InvariantError(f"queue {self.name}: index sizes "
                                  f"{'+'.join(map(str, sizes))} != {len(self.messages)} messages")
@@ -351,20 +544,25 @@ class Queue:
             if msg is None or msg[RETRY_AT_MS] or key >> _ID_BITS != msg[READY_MS]:
                 raise InvariantError(f"queue {self.name}: stale pending key {key}")
             indexed.add(key & _ID_MASK)
-        for key in self.retrying:
-            msg = self.messages.get(key & _ID_MASK)
-            if msg is None or key >> _ID_BITS != msg[RETRY_AT_MS]:
-                raise InvariantError(f"queue {self.name}: stale retry key {key}")
-            indexed.add(key & _ID_MASK)
+        for keys, final in ((self.retrying, False), (self.finals, True)):
+            for key in keys:
+                msg = self.messages.get(key & _ID_MASK)
+                if (msg is None or key >> _ID_BITS != msg[RETRY_AT_MS]
+                        or final != bool(len(msg) > _SHORT and msg[FINAL])):
+                    raise InvariantError(f"queue {self.name}: stale retry key {key}")
+                indexed.add(key & _ID_MASK)
         if len(indexed) != len(self.messages):  # with the sizes: none in two places
             raise InvariantError(f"queue {self.name}: a message is indexed twice")
         for msg_id, msg in self.messages.items():
             if not 0 < msg_id <= self.max_id:
                 raise InvariantError(f"queue {self.name}: id {msg_id} > max_id {self.max_id}")
-            if type(msg) is not tuple or len(msg) != 5:
-                raise InvariantError(f"queue {self.name}: message {msg_id} is not a 5-tuple")
+            if type(msg) is not tuple or len(msg) not in (_SHORT, _DELIVERED, _DEAD_LETTER):
+                raise InvariantError(f"queue {self.name}: message {msg_id} is not a 5-, 9- or "
+                                     f"12-tuple")
             if msg[RETRY_AT_MS] and not msg[RETRY_MS]:
                 raise InvariantError(f"queue {self.name}: at-most-once message {msg_id} retrying")
+            if len(msg) > _SHORT and msg[FINAL] and not msg[RETRY_AT_MS]:
+                raise InvariantError(f"queue {self.name}: final message {msg_id} not in flight")
 
 
 def _apply_noop(entry: Noop, undo: list[Any] | None) -> None:
@@ -398,7 +596,13 @@ class Store:
         # type cannot say: hence Any.)
         self.apply_by_kind: dict[type[Entry], Callable[[Any, list[Any] | None], object]] = {
             Produce: self._apply_produce, Consume: self._apply_consume,
-            Confirm: self._apply_confirm, Noop: _apply_noop}
+            Confirm: self._apply_confirm, Noop: _apply_noop,
+            ConsumeMany: self._apply_consume_many, Nack: self._apply_nack,
+            Touch: self._apply_touch, DeadLetter: self._apply_dead_letter,
+            Configure: self._apply_configure}
+        # Names of the queues whose `finals` is not empty: where the master
+        # looks for leases that ran out (`next_final_ms`, `decide_expired`).
+        self.final_queues: set[str] = set()
 
     # -- reads -----------------------------------------------------------
 
@@ -463,13 +667,22 @@ class Store:
                 listed.append((name, q.max_id + 1))
         return _new(Produce, (tuple(listed), data, ready_ms, ttl_ms, retry_ms))
 
-    def decide_consume(self, req: ConsumeRequest, now_ms: int) -> Consume | str | None:
-        """Decide a consume: an entry, None when nothing is ready, or a
-        reason. O(1)."""
-        return self.decide_consume_values(req[0], now_ms)
+    def decide_consume(self, req: ConsumeRequest, now_ms: int,
+                       epoch: int) -> Consume | ConsumeMany | DeadLetter | str | None:
+        """Decide a consume: an entry, None when nothing is deliverable, or a
+        reason. `epoch`: the deciding master's (see entries.Consume). A
+        DeadLetter instead of a delivery: the next message is over its
+        queue's max_deliveries (lowered since it was delivered); the caller
+        appends it and decides again. O(1) for one message, O(count log n)
+        with `count` or several queues."""
+        lease_ms = req.lease_ms
+        if req.batch is None and len(req.queues) == 1:
+            return self.decide_consume_values(req.queues[0], now_ms, epoch, lease_ms)
+        return self.decide_consume_many(req.queues, req.batch or 1, now_ms, epoch, lease_ms)
 
-    def decide_consume_values(self, queue: str, now_ms: int) -> Consume | str | None:
-        """`decide_consume` from the request's queue name. O(1)."""
+    def decide_consume_values(self, queue: str, now_ms: int, epoch: int,
+                              lease_ms: int = 0) -> Consume | DeadLetter | str | None:
+        """`decide_consume` of one message from one queue. O(1)."""
         if queue in self.virtual_queues:
             return "virtual queue only takes produce"
         q = self.queues.get(queue)
@@ -480,12 +693,182 @@ class Store:
             return None
         msg = q.messages[msg_id]
         retry_ms = msg[RETRY_MS]
-        retry_at_ms = 0
-        if retry_ms:
+        if not retry_ms:
+            return _new(Consume, (queue, msg_id, 0, 0, FINAL_NONE))
+        if not q.max_deliveries and not q.dead_letter and not lease_ms:  # the usual queue
             retry_at_ms = now_ms + retry_ms
             if retry_at_ms >= msg[TTL_MS]:
-                retry_at_ms = 0  # the last delivery before the ttl
-        return _new(Consume, (queue, msg_id, retry_at_ms))
+                return _new(Consume, (queue, msg_id, 0, 0, FINAL_NONE))  # the last delivery
+            return _new(Consume, (queue, msg_id, retry_at_ms, epoch, FINAL_NONE))
+        delivery = self._delivery(q, msg_id, msg, now_ms, lease_ms)
+        if type(delivery) is DeadLetter:
+            return delivery
+        retry_at_ms, final = delivery  # type: ignore[misc]
+        return _new(Consume, (queue, msg_id, retry_at_ms, epoch if retry_at_ms else 0, final))
+
+    def _delivery(self, q: Queue, msg_id: int, msg: Message, now_ms: int,
+                  lease_ms: int) -> tuple[int, int] | DeadLetter:
+        """(retry_at_ms, final) of delivering an at-least-once message now
+        (retry_at_ms 0: the delivery deletes it), or the DeadLetter that
+        must come first: it was delivered max_deliveries times already."""
+        max_deliveries = q.max_deliveries
+        delivered = msg[DELIVERIES] if len(msg) > _SHORT else 0
+        if max_deliveries and delivered >= max_deliveries:
+            return self._dead_letter(q, msg_id, FINAL_MAX_DELIVERIES, now_ms)
+        retry_at_ms = now_ms + (lease_ms or msg[RETRY_MS])
+        last = bool(max_deliveries) and delivered + 1 >= max_deliveries
+        if retry_at_ms >= msg[TTL_MS]:
+            if not q.dead_letter and not last:
+                return 0, FINAL_NONE  # queue_server's last delivery: deleted now
+            return retry_at_ms, FINAL_MAX_DELIVERIES if last else FINAL_EXPIRED
+        return retry_at_ms, FINAL_MAX_DELIVERIES if last else FINAL_NONE
+
+    def decide_consume_many(self, names: Sequence[str], count: int, now_ms: int, epoch: int,
+                            lease_ms: int = 0) -> ConsumeMany | DeadLetter | str | None:
+        """Up to `count` deliveries from the queues `names`, the first
+        listed queue first, each queue in delivery order. O(count log n)."""
+        virtual = self.virtual_queues
+        for name in names:
+            if name in virtual:
+                return "virtual queue only takes produce"
+        items: list[tuple[str, int, int, int]] = []
+        for name in names:
+            q = self.queues.get(name)
+            if q is None:
+                continue
+            messages = q.messages
+            for msg_id in q.due(now_ms):
+                msg = messages[msg_id]
+                if not msg[RETRY_MS]:
+                    items.append((name, msg_id, 0, FINAL_NONE))
+                else:
+                    delivery = self._delivery(q, msg_id, msg, now_ms, lease_ms)
+                    if type(delivery) is DeadLetter:
+                        if items:  # deliver these; the next decision moves it
+                            return _new(ConsumeMany, (tuple(items), epoch))
+                        return delivery
+                    items.append((name, msg_id, *delivery))
+                if len(items) == count:
+                    return _new(ConsumeMany, (tuple(items), epoch))
+        if not items:
+            return None
+        return _new(ConsumeMany, (tuple(items), epoch))
+
+    def _dead_letter(self, q: Queue, msg_id: int, reason: int, now_ms: int) -> DeadLetter:
+        """The entry that moves `msg_id` out of `q` for `reason`."""
+        targets: tuple[tuple[str, int], ...] = ()
+        if q.dead_letter:
+            listed = []
+            for name in self.virtual_queues.get(q.dead_letter, (q.dead_letter,)):
+                target = self.queues.get(name)
+                listed.append((name, 1 if target is None else target.max_id + 1))
+            targets = tuple(listed)
+        return DeadLetter(q.name, msg_id, reason, targets, now_ms, now_ms + DEFAULT_TTL_MS)
+
+    def _in_flight(self, queue: str, msg_id: int, receipt: Receipt | None,
+                   now_ms: int) -> tuple[Queue, Message] | str:
+        """The queue and message that a nack or touch acts on, or the
+        reason it cannot: `stale receipt`, `not in flight`."""
+        if queue in self.virtual_queues:
+            return "virtual queue only takes produce"
+        q = self.queues.get(queue)
+        msg = None if q is None else q.messages.get(msg_id)
+        if receipt is not None and (msg is None or not _receipt_matches(msg_id, msg, receipt)):
+            return "stale receipt"
+        if q is None or msg is None or not msg[RETRY_AT_MS]:
+            return "not in flight"
+        msg = _long(msg)
+        if msg[RETRY_AT_MS] <= now_ms and not msg[FINAL]:
+            return "not in flight"  # its lease ran out: it is deliverable again
+        return q, msg
+
+    def decide_nack(self, queue: str, msg_id: int, receipt: Receipt | None, ready_ms: int,
+                    now_ms: int) -> Nack | DeadLetter | str:
+        """Give an in-flight message back, deliverable at `ready_ms` (not
+        before now); or move it out if that was its last delivery (final,
+        at max_deliveries, or `ready_ms` at its ttl). O(log n)."""
+        found = self._in_flight(queue, msg_id, receipt, now_ms)
+        if isinstance(found, str):
+            return found
+        q, msg = found
+        ready_ms = max(ready_ms, now_ms)
+        if msg[FINAL]:
+            return self._dead_letter(q, msg_id, msg[FINAL], now_ms)
+        if q.max_deliveries and msg[DELIVERIES] >= q.max_deliveries:
+            return self._dead_letter(q, msg_id, FINAL_MAX_DELIVERIES, now_ms)
+        if ready_ms >= msg[TTL_MS]:
+            return self._dead_letter(q, msg_id, FINAL_EXPIRED, now_ms)
+        return Nack(queue, msg_id, ready_ms)
+
+    def decide_touch(self, queue: str, msg_id: int, receipt: Receipt | None, lease_ms: int,
+                     now_ms: int) -> Touch | str:
+        """Extend (or shorten) an in-flight message's lease to now +
+        `lease_ms` (0: its retry); a lease reaching its ttl makes this
+        delivery its last. O(log n)."""
+        found = self._in_flight(queue, msg_id, receipt, now_ms)
+        if isinstance(found, str):
+            return found
+        _q, msg = found
+        retry_at_ms = now_ms + (lease_ms or msg[RETRY_MS])
+        final = msg[FINAL]
+        if not final and retry_at_ms >= msg[TTL_MS]:
+            final = FINAL_EXPIRED
+        return Touch(queue, msg_id, retry_at_ms, final)
+
+    def next_final_ms(self) -> int | None:
+        """When the earliest final lease runs out, or None. O(q) for the q
+        queues holding final deliveries (few: last deliveries only)."""
+        best: int | None = None
+        for name in self.final_queues:
+            key = self.queues[name].finals.first()
+            if key is not None and (best is None or key < best):
+                best = key
+        return None if best is None else best >> _ID_BITS
+
+    def decide_expired(self, now_ms: int, limit: int) -> list[DeadLetter]:
+        """The moves of up to `limit` messages whose final lease ran out by
+        `now_ms`, decided one after another as if each were applied (the
+        caller applies them in order). O(limit log n)."""
+        out: list[DeadLetter] = []
+        bound = (now_ms + 1) << _ID_BITS
+        shadow: dict[str, int] = {}  # target queue -> the next msg_id to give
+        for name in sorted(self.final_queues):
+            q = self.queues[name]
+            for key in q.finals:
+                if key >= bound or len(out) == limit:
+                    break
+                msg_id = key & _ID_MASK
+                move = self._dead_letter(q, msg_id, q.messages[msg_id][FINAL], now_ms)
+                if move.targets:  # ids after those already given in this call
+                    targets = []
+                    for target, target_id in move.targets:
+                        target_id = max(target_id, shadow.get(target, 0))
+                        shadow[target] = target_id + 1
+                        targets.append((target, target_id))
+                    move = move._replace(targets=tuple(targets))
+                out.append(move)
+        return out
+
+    def decide_configure(self, queue: str, settings: Mapping[str, Any]) -> Configure | str:
+        """Change a queue's settings (already checked one by one by the
+        request layer); refused for a virtual queue or a dead-letter queue
+        that is the queue itself. O(1)."""
+        if queue in self.virtual_queues:
+            return "virtual queue only takes produce"
+        target = settings.get("dead_letter")
+        if target:
+            if target == queue:
+                return "bad value for dead_letter: a queue cannot be its own dead-letter queue"
+            if queue in self.virtual_queues.get(target, ()):
+                return (f"bad value for dead_letter: virtual queue {target} includes "
+                        f"{queue} itself")
+        return Configure(queue, tuple(sorted(settings.items())))
+
+    def check_receipt(self, queue: str, msg_id: int, receipt: Receipt) -> bool:
+        """Whether `receipt` names the current delivery of the message."""
+        q = self.queues.get(queue)
+        msg = None if q is None else q.messages.get(msg_id)
+        return msg is not None and _receipt_matches(msg_id, msg, receipt)
 
     def decide_confirm(self, req: ConfirmRequest) -> Confirm | str | None:
         """Decide a confirm: an entry, or None when the id is unknown (not an
@@ -526,7 +909,10 @@ class Store:
             return self._apply_confirm(entry, undo)  # type: ignore[arg-type]
         if kind is Noop:
             return None
-        raise InvariantError(f"cannot apply {entry!r}")
+        apply = self.apply_by_kind.get(kind)
+        if apply is None:
+            raise InvariantError(f"cannot apply {entry!r}")
+        return apply(entry, undo)
 
     def _apply_produce(self, entry: Produce,
                        undo: list[Any] | None) -> tuple[tuple[str, int], ...]:
@@ -559,16 +945,18 @@ class Store:
                 queue.pending.add(ready_ms << _ID_BITS | msg_id)
         return targets
 
-    def _apply_consume(self, entry: Consume, undo: list[Any] | None) -> tuple[int, str]:
-        name, msg_id, retry_at_ms = entry
+    def _apply_consume(self, entry: Consume,
+                       undo: list[Any] | None) -> tuple[int, str, int]:
+        """-> (msg_id, data, deliveries counting this one)."""
+        name, msg_id, retry_at_ms, epoch, final = entry
         queue = self.queues.get(name)
         if queue is None or (msg := queue.messages.get(msg_id)) is None:
             raise InvariantError(f"consume of missing message {name}/{msg_id}")
         if undo is not None:
             undo.append((_RESTORE, name, msg_id, msg))
-        data, ready_ms, ttl_ms, retry_ms, old_retry_at_ms = msg
         # Queue.unindex, with the common cases inline (the hot path). A
         # consume takes the earliest message: a head of an index.
+        old_retry_at_ms = msg[RETRY_AT_MS]
         if old_retry_at_ms:
             queue.retrying.remove(old_retry_at_ms << _ID_BITS | msg_id)
         else:
@@ -576,13 +964,118 @@ class Store:
             if fifo and fifo[0] == msg_id:
                 fifo.popleft()
             else:
-                queue.unindex_pending(msg_id, ready_ms)
+                queue.unindex_pending(msg_id, msg[READY_MS])
         if retry_at_ms:
-            queue.messages[msg_id] = (data, ready_ms, ttl_ms, retry_ms, retry_at_ms)
-            queue.retrying.add(retry_at_ms << _ID_BITS | msg_id)
+            msg = queue.messages[msg_id] = _with_delivery(msg, retry_at_ms, epoch, final)
+            if final:
+                queue.finals.add(retry_at_ms << _ID_BITS | msg_id)
+                self.final_queues.add(name)
+            else:
+                queue.retrying.add(retry_at_ms << _ID_BITS | msg_id)
+            return msg_id, msg[DATA], msg[DELIVERIES]
+        del queue.messages[msg_id]
+        return msg_id, msg[DATA], msg[DELIVERIES] + 1 if len(msg) > _SHORT else 1
+
+    def _apply_consume_many(self, entry: ConsumeMany,
+                            undo: list[Any] | None) -> list[tuple[str, int, str, int]]:
+        """-> [(queue, msg_id, data, deliveries)] in delivery order."""
+        out = []
+        epoch = entry.epoch
+        for name, msg_id, retry_at_ms, final in entry.items:
+            delivered = self._apply_consume(
+                _new(Consume, (name, msg_id, retry_at_ms, epoch if retry_at_ms else 0, final)),
+                undo)
+            out.append((name, *delivered))
+        return out
+
+    def _message_for(self, name: str, msg_id: int, what: str) -> tuple[Queue, Message]:
+        queue = self.queues.get(name)
+        if queue is None or (msg := queue.messages.get(msg_id)) is None:
+            raise InvariantError(f"{what} of missing message {name}/{msg_id}")
+        return queue, msg
+
+    def _track_finals(self, queue: Queue) -> None:
+        if queue.finals:
+            self.final_queues.add(queue.name)
         else:
-            del queue.messages[msg_id]
-        return msg_id, data
+            self.final_queues.discard(queue.name)
+
+    def _apply_nack(self, entry: Nack, undo: list[Any] | None) -> int:
+        """-> the ready time."""
+        name, msg_id, ready_ms = entry
+        queue, msg = self._message_for(name, msg_id, "nack")
+        if not msg[RETRY_AT_MS]:
+            raise InvariantError(f"nack of {name}/{msg_id}, which is not in flight")
+        if undo is not None:
+            undo.append((_RESTORE, name, msg_id, msg))
+        queue.unindex(msg_id, msg)
+        self._track_finals(queue)
+        msg = _long(msg)
+        msg = (msg[0], ready_ms, msg[2], msg[3], 0, msg[DELIVERIES], msg[NACKS] + 1, msg[EPOCH],
+               FINAL_NONE, *msg[_DELIVERED:])
+        queue.messages[msg_id] = msg
+        queue.index_pending(msg_id, msg)
+        return ready_ms
+
+    def _apply_touch(self, entry: Touch, undo: list[Any] | None) -> int:
+        """-> the new end of the lease."""
+        name, msg_id, retry_at_ms, final = entry
+        queue, msg = self._message_for(name, msg_id, "touch")
+        if not msg[RETRY_AT_MS]:
+            raise InvariantError(f"touch of {name}/{msg_id}, which is not in flight")
+        if undo is not None:
+            undo.append((_RESTORE, name, msg_id, msg))
+        queue.unindex(msg_id, msg)
+        msg = _long(msg)
+        msg = (*msg[:RETRY_AT_MS], retry_at_ms, *msg[DELIVERIES:FINAL], final, *msg[_DELIVERED:])
+        queue.messages[msg_id] = msg
+        queue.index(msg_id, msg)
+        self._track_finals(queue)
+        return retry_at_ms
+
+    def _apply_dead_letter(self, entry: DeadLetter,
+                           undo: list[Any] | None) -> tuple[tuple[str, int], ...]:
+        """-> the (queue, msg_id) of the new messages."""
+        name, msg_id, reason, targets, ready_ms, ttl_ms = entry
+        queue, msg = self._message_for(name, msg_id, "dead letter")
+        if undo is not None:
+            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RECOUNT, name, queue.dead_lettered))
+        del queue.messages[msg_id]
+        queue.unindex(msg_id, msg)
+        self._track_finals(queue)
+        queue.dead_lettered += 1
+        queues = self.queues
+        moved = (msg[DATA], ready_ms, ttl_ms, msg[RETRY_MS], 0, 0, 0, 0, FINAL_NONE,
+                 name, msg_id, reason)
+        for target_name, new_id in targets:
+            target = queues.get(target_name)
+            created = target is None
+            if target is None:
+                target = queues[target_name] = Queue(target_name)
+            if new_id <= target.max_id:
+                raise InvariantError(f"dead letter {target_name}/{new_id} at or below max_id "
+                                     f"{target.max_id}")
+            if undo is not None:
+                undo.append((_UNPRODUCE, target_name, new_id, target.max_id, created))
+            target.max_id = new_id
+            target.messages[new_id] = moved
+            target.index_pending(new_id, moved)
+        return targets
+
+    def _apply_configure(self, entry: Configure, undo: list[Any] | None) -> dict[str, Any]:
+        """-> the queue's settings after the change."""
+        name, settings = entry
+        queue = self.queues.get(name)
+        created = queue is None
+        if queue is None:
+            queue = self.queues[name] = Queue(name)
+        if undo is not None:
+            before = tuple((key, getattr(queue, key)) for key in SETTINGS)
+            undo.append((_RESET, name, before, created))
+        for key, value in settings:
+            setattr(queue, key, value)
+        return queue.settings()
 
     def _apply_confirm(self, entry: Confirm, undo: list[Any] | None) -> bool:
         name, msg_id = entry
@@ -596,10 +1089,11 @@ class Store:
             undo.append((_RESTORE, name, msg_id, msg))
         # Queue.unindex, with the retrying case inline (the hot path: a
         # consumer confirms what it was delivered).
-        if msg[RETRY_AT_MS]:
+        if msg[RETRY_AT_MS] and (len(msg) == _SHORT or not msg[FINAL]):
             queue.retrying.remove(msg[RETRY_AT_MS] << _ID_BITS | msg_id)
         else:
-            queue.unindex_pending(msg_id, msg[READY_MS])
+            queue.unindex(msg_id, msg)
+            self._track_finals(queue)
         return True
 
     def revert(self, undo: list[Any]) -> None:
@@ -607,7 +1101,8 @@ class Store:
         `apply(entry, undo)`), newest first. O(k log n)."""
         queues = self.queues
         for op in reversed(undo):
-            if op[0] is _UNPRODUCE:
+            tag = op[0]
+            if tag is _UNPRODUCE:
                 _, name, msg_id, prev_max_id, created = op
                 queue = queues[name]
                 msg = queue.messages.pop(msg_id)
@@ -615,17 +1110,24 @@ class Store:
                 queue.max_id = prev_max_id
                 if created:
                     del queues[name]
-            else:
+            elif tag is _RESTORE:
                 _, name, msg_id, msg = op
                 queue = queues[name]
                 current = queue.messages.get(msg_id)
                 if current is not None:
                     queue.unindex(msg_id, current)
                 queue.messages[msg_id] = msg
-                if msg[RETRY_AT_MS]:
-                    queue.retrying.add(msg[RETRY_AT_MS] << _ID_BITS | msg_id)
+                queue.index(msg_id, msg)
+                self._track_finals(queue)
+            elif tag is _RECOUNT:
+                queues[op[1]].dead_lettered = op[2]
+            else:  # _RESET
+                _, name, before, created = op
+                if created:
+                    del queues[name]
                 else:
-                    queue.index_pending(msg_id, msg)
+                    for key, value in before:
+                        setattr(queues[name], key, value)
 
     # -- whole-state views -------------------------------------------------
 
@@ -636,7 +1138,8 @@ class Store:
         for name in sorted(self.queues):
             q = self.queues[name]
             msgs = [[i, *m] for i, m in sorted(q.messages.items())]
-            out.append([name, q.max_id, msgs])
+            extras = q.extras()
+            out.append([name, q.max_id, msgs, extras] if extras else [name, q.max_id, msgs])
         return out
 
     def load_wire(self, state: Sequence[Any] | SnapshotLoader) -> None:
@@ -644,12 +1147,14 @@ class Store:
         one a `snapshot_loader()` has been fed. O(n log n)."""
         if isinstance(state, SnapshotLoader):
             self.queues = state.finish()
+            self.final_queues = {name for name, q in self.queues.items() if q.finals}
             return
         loader = SnapshotLoader()
-        for name, max_id, msgs in state:
-            loader.queue(name, max_id)
-            loader.messages(msgs)
+        for item in state:
+            loader.queue(item[0], item[1], item[3] if len(item) > 3 else None)
+            loader.messages(item[2])
         self.queues = loader.finish()
+        self.final_queues = {name for name, q in self.queues.items() if q.finals}
 
     def snapshot_loader(self) -> SnapshotLoader:
         """A sink for `storage.format.decode_snapshot(..., sink=)`: it builds
@@ -675,19 +1180,25 @@ class SnapshotLoader:
     keys to `pending`.
     """
 
-    __slots__ = ("queues", "_queue", "_pending", "_retrying", "_last_ready", "_last_ttl")
+    __slots__ = ("queues", "_queue", "_pending", "_retrying", "_finals", "_last_ready",
+                 "_last_ttl")
 
     def __init__(self) -> None:
         self.queues: dict[str, Queue] = {}
         self._queue: Queue | None = None  # the queue messages go to
         self._pending: list[int] = []  # its index keys (not the FIFO's), sorted at the end
         self._retrying: list[int] = []
+        self._finals: list[int] = []
         self._last_ready = self._last_ttl = -1  # shared time objects, as in Store
 
-    def queue(self, name: str, max_id: int) -> None:
+    def queue(self, name: str, max_id: int, extras: Mapping[str, Any] | None = None) -> None:
+        """A queue begins; `extras` as `Queue.extras()` gave them. Raises
+        ValueError on bad extras."""
         self._close_queue()
         q = self._queue = self.queues[name] = Queue(name)
         q.max_id = max_id
+        if extras:
+            q.load_extras(extras)
 
     def messages(self, batch: Iterable[Sequence[Any]]) -> None:
         # The sink's protocol: queue() came first, so there is a queue; no
@@ -696,7 +1207,22 @@ class SnapshotLoader:
         messages, pending, retrying = q.messages, self._pending, self._retrying
         fifo, fifo_ready = q.fifo, q.fifo_ready
         last_ready, last_ttl = self._last_ready, self._last_ttl
-        for msg_id, data, ready_ms, ttl_ms, retry_ms, retry_at_ms in batch:
+        for row in batch:
+            if len(row) != 6:  # delivered before, or a dead letter
+                msg_id = row[0]
+                msg = tuple(row[1:])
+                messages[msg_id] = msg
+                retry_at_ms = msg[RETRY_AT_MS]
+                if retry_at_ms:
+                    key = retry_at_ms << _ID_BITS | msg_id
+                    (self._finals if msg[FINAL] else retrying).append(key)
+                elif msg[READY_MS] >= fifo_ready or not fifo:
+                    fifo.append(msg_id)
+                    fifo_ready = msg[READY_MS]
+                else:
+                    pending.append(msg[READY_MS] << _ID_BITS | msg_id)
+                continue
+            msg_id, data, ready_ms, ttl_ms, retry_ms, retry_at_ms = row
             # Share equal times between neighbours, as _apply_produce does.
             if ready_ms == last_ready:
                 ready_ms = last_ready
@@ -721,7 +1247,8 @@ class SnapshotLoader:
         if self._queue is not None:
             self._queue.pending.update(self._pending)
             self._queue.retrying.update(self._retrying)
-            self._pending, self._retrying = [], []
+            self._queue.finals.update(self._finals)
+            self._pending, self._retrying, self._finals = [], [], []
             self._queue = None
 
     def finish(self) -> dict[str, Queue]:

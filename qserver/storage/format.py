@@ -30,10 +30,18 @@ Snapshot (`encode_snapshot_chunks` / `decode_snapshot`)::
     header  [4s magic "QSNP"][u8 version][u64 trans_id][u64 vote_id]
     chunks  [u32 length][msgpack payload], each one of
               [0, name, max_id]                  a queue begins
+              [0, name, max_id, extras]          ...with settings and counters
+                                                 (`Queue.extras()`, version 2)
               [1, [[msg_id, data, ready_ms, ttl_ms, retry_ms, retry_at_ms], ...]]
-                                                 messages of that queue
+                                                 messages of that queue; one
+                                                 delivered before has 4 more
+                                                 fields, a dead letter 7
+                                                 (store.py: Message; version 2)
               [2, n_queues, n_messages]          the end, with the counts
     trailer [u32 crc32 of every byte before it]
+
+Version 1 (before receipts and queue settings) is read as well; version 2
+is written.
 
 The counts are in the end chunk rather than in the header so that a snapshot
 can be encoded from a generator over the store, without first building its
@@ -67,8 +75,10 @@ from ..state.entries import (
     Confirm,
     Consume,
     Entry,
+    Noop,
     Produce,
     Record,
+    entry_to_wire,
     record_from_wire,
     record_to_wire,
 )
@@ -161,10 +171,15 @@ def record_size_bound(entry: Entry) -> int:
             size += 1 + _str_bound(name) + _INT
         return size
     if type(entry) is Consume:
-        return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + 2 * _INT
+        # msg_id, retry_at_ms, epoch, final
+        return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + 4 * _INT
     if type(entry) is Confirm:
         return _RECORD_OVERHEAD + 1 + 1 + _str_bound(entry.queue) + _INT
-    return _RECORD_OVERHEAD + 1 + 1  # Noop
+    if type(entry) is Noop:
+        return _RECORD_OVERHEAD + 1 + 1
+    # The rarer kinds: their exact size, plus the room for any trans_id and
+    # vote_id that _RECORD_OVERHEAD stands for.
+    return _RECORD_OVERHEAD + len(msgpack.packb(entry_to_wire(entry)))
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
@@ -281,7 +296,10 @@ def frame_offsets(buf: bytes | bytearray | memoryview, limit: int | None = None)
 # -- snapshots --------------------------------------------------------------
 
 _SNAP_MAGIC = b"QSNP"
-_SNAP_VERSION = 1
+_SNAP_VERSION = 2
+_SNAP_VERSIONS = (1, 2)  # what decode_snapshot reads
+# The lengths of a message row: 1 + a message tuple's (store.py, Message).
+_ROW_LENGTHS = (6, 10, 13)
 _SNAP_HEADER = struct.Struct(">4sBQQ")  # magic, version, trans_id, vote_id
 _U32 = struct.Struct(">I")
 _QUEUE, _MESSAGES, _END = 0, 1, 2
@@ -298,9 +316,11 @@ _PIECE_BYTES = 1024 * 1024
 MAX_SNAPSHOT_CHUNK_BYTES = MAX_RECORD_BYTES
 
 
-def store_wire_iter(store: Store) -> Iterator[tuple[str, int, Iterator[tuple[Any, ...]]]]:
+def store_wire_iter(
+        store: Store) -> Iterator[tuple[str, int, Iterator[tuple[Any, ...]], dict[str, Any]]]:
     """The state of a `Store` in `Store.to_wire()`'s order and shape, lazily:
-    (name, max_id, messages) per queue, messages as (msg_id, *message) tuples.
+    (name, max_id, messages, extras) per queue, messages as (msg_id,
+    *message) tuples.
 
     Feeding this to `encode_snapshot_chunks` never builds the whole wire form.
     The store must not change until the iteration ends (the disk layer
@@ -310,7 +330,8 @@ def store_wire_iter(store: Store) -> Iterator[tuple[str, int, Iterator[tuple[Any
     for name in sorted(store.queues):
         queue = store.queues[name]
         messages = queue.messages
-        yield name, queue.max_id, ((i, *messages[i]) for i in sorted(messages))
+        yield (name, queue.max_id, ((i, *messages[i]) for i in sorted(messages)),
+               queue.extras())
 
 
 def encode_snapshot_chunks(trans_id: int, vote_id: int,
@@ -320,8 +341,8 @@ def encode_snapshot_chunks(trans_id: int, vote_id: int,
     Args:
         trans_id: the last entry the state covers; vote_id: that entry's.
         state: `Store.to_wire()`, or anything iterable in its shape
-            ((name, max_id, messages) with 6-element messages), such as
-            `store_wire_iter(store)`.
+            ((name, max_id, messages[, extras]) with messages as rows of
+            _ROW_LENGTHS), such as `store_wire_iter(store)`.
     Yields: bytes whose concatenation is the snapshot.
     Raises: TypeError if the state holds something msgpack cannot encode.
     """
@@ -334,8 +355,10 @@ def encode_snapshot_chunks(trans_id: int, vote_id: int,
     pending_bytes = len(pending[0])
     n_queues = n_messages = 0
 
-    for name, max_id, messages in state:
-        payload = pack((_QUEUE, name, max_id))
+    for item in state:
+        name, max_id, messages = item[0], item[1], item[2]
+        extras = item[3] if len(item) > 3 else None
+        payload = pack((_QUEUE, name, max_id, extras) if extras else (_QUEUE, name, max_id))
         pending.append(u32(len(payload)))
         pending.append(payload)
         pending_bytes += 4 + len(payload)
@@ -460,8 +483,10 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes],
     magic, version, trans_id, vote_id = _SNAP_HEADER.unpack(src.read(_SNAP_HEADER.size, "header"))
     if magic != _SNAP_MAGIC:
         raise ValueError(f"not a snapshot (magic {bytes(magic)!r})")
-    if version != _SNAP_VERSION:
-        raise ValueError(f"snapshot version {version} unknown (this build reads {_SNAP_VERSION})")
+    if version not in _SNAP_VERSIONS:
+        raise ValueError(f"snapshot version {version} unknown (this build reads "
+                         f"{', '.join(map(str, _SNAP_VERSIONS))})")
+    rows = (6,) if version == 1 else _ROW_LENGTHS
     state: list[Any] = []
     messages: list[Any] | None = None
     n_messages = 0
@@ -480,19 +505,23 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes],
         if kind == _MESSAGES and len(chunk) == 2 and messages is not None:
             batch = chunk[1]
             if type(batch) is not tuple \
-                    or not all(type(m) is tuple and len(m) == 6 for m in batch):
+                    or not all(type(m) is tuple and len(m) in rows for m in batch):
                 raise ValueError("snapshot message chunk is malformed")
             if sink is None:
                 messages.extend(batch)
             else:
                 sink.messages(batch)
             n_messages += len(batch)
-        elif kind == _QUEUE and len(chunk) == 3 and type(chunk[1]) is str \
-                and type(chunk[2]) is int and chunk[2] >= 0:
+        elif kind == _QUEUE and (len(chunk) == 3 or (len(chunk) == 4 and version > 1)) \
+                and type(chunk[1]) is str and type(chunk[2]) is int and chunk[2] >= 0:
+            extras = chunk[3] if len(chunk) == 4 else None
+            if extras is not None and type(extras) is not dict:
+                raise ValueError("snapshot queue extras are not a map")
             messages = []
-            state.append([chunk[1], chunk[2], messages])
+            state.append([chunk[1], chunk[2], messages, extras] if extras
+                         else [chunk[1], chunk[2], messages])
             if sink is not None:
-                sink.queue(chunk[1], chunk[2])
+                sink.queue(chunk[1], chunk[2], extras)
         elif kind == _END and len(chunk) == 3:
             if chunk[1] != len(state) or chunk[2] != n_messages:
                 raise ValueError(f"snapshot counts {chunk[1]} queues, {chunk[2]} messages; "

@@ -33,6 +33,11 @@ __all__ = [
     "ProduceRequest",
     "ConsumeRequest",
     "ConfirmRequest",
+    "NackRequest",
+    "TouchRequest",
+    "ShowRequest",
+    "PeekRequest",
+    "ConfigRequest",
     "MonitorRequest",
     "ListRequest",
     "LeaderRequest",
@@ -42,6 +47,10 @@ __all__ = [
     "MAX_QUEUE_NAME",
     "MAX_TIME_S",
     "RELATIVE_TIME_LIMIT_S",
+    "MAX_COUNT",
+    "MAX_DELIVERIES",
+    "MAX_QUEUES",
+    "Receipt",
 ]
 
 
@@ -54,6 +63,10 @@ class Action(enum.IntEnum):
     CLEAR = 6
     LIST = 7
     LEADER = 8
+    NACK = 9
+    TOUCH = 10
+    SHOW = 11
+    PEEK = 12
     # queue_server's local actions (100 + n): answered by the receiving node
     # from its own state, never forwarded to the master.
     LOCAL_MONITOR = 104
@@ -71,6 +84,22 @@ MAX_TIME_S = 253_402_300_799
 # The memcached convention: a time below this is seconds relative to now.
 RELATIVE_TIME_LIMIT_S = 1_000_000_000
 
+# Messages one consume or peek returns at most (protocol-v2: Disque's and
+# SQS's batches are smaller; 1,000 keeps an answer of 1 KB messages ~1 MB).
+MAX_COUNT = 1000
+# The largest max_deliveries setting: a message delivered this often is
+# surely poison, and a bound keeps the value sane.
+MAX_DELIVERIES = 1_000_000
+# Queues one consume may name (protocol-v2).
+MAX_QUEUES = 16
+# A receipt we hand out is three integers and two dots: far below this.
+MAX_RECEIPT = 64
+
+# A receipt as parsed: (epoch, msg_id, deliveries); (0, 0, 0) for a string
+# that is no receipt of ours (it matches no delivery: "stale receipt").
+Receipt = tuple[int, int, int]
+_NO_RECEIPT: Receipt = (0, 0, 0)
+
 
 class ProduceRequest(NamedTuple):
     queue: str
@@ -81,12 +110,46 @@ class ProduceRequest(NamedTuple):
 
 
 class ConsumeRequest(NamedTuple):
-    queue: str
+    queues: tuple[str, ...]  # `queue`, or the `queues` listed
+    batch: int | None  # `count`; None: today's single-message answer
+    wait_ms: int  # long poll: 0 = answer at once
+    lease_ms: int  # 0 = the message's retry
+    many: bool  # `queues` was given: answers name each message's queue
 
 
 class ConfirmRequest(NamedTuple):
     queue: str
     msg_id: int
+    receipt: Receipt | None = None
+
+
+class NackRequest(NamedTuple):
+    queue: str
+    msg_id: int
+    receipt: Receipt | None
+    delay_s: float  # as produce's delay: below 1e9 relative to now
+
+
+class TouchRequest(NamedTuple):
+    queue: str
+    msg_id: int
+    receipt: Receipt | None
+    lease_ms: int  # 0 = the message's retry
+
+
+class ShowRequest(NamedTuple):
+    queue: str
+    msg_id: int
+
+
+class PeekRequest(NamedTuple):
+    queue: str
+    limit: int  # `count`
+
+
+class ConfigRequest(NamedTuple):
+    queue: str
+    settings: dict[str, Any]  # checked values by setting name; {} = a read
 
 
 class MonitorRequest(NamedTuple):
@@ -104,13 +167,14 @@ class LeaderRequest(NamedTuple):
 
 
 class UnsupportedRequest(NamedTuple):
-    """Actions 5 (config) and 6 (clear): queue_server answered "not support"."""
+    """Action 6 (clear): queue_server answered "not support"."""
 
     action: int
 
 
-Request = (ProduceRequest | ConsumeRequest | ConfirmRequest | MonitorRequest
-           | ListRequest | LeaderRequest | UnsupportedRequest)
+Request = (ProduceRequest | ConsumeRequest | ConfirmRequest | NackRequest | TouchRequest
+           | ShowRequest | PeekRequest | ConfigRequest | MonitorRequest | ListRequest
+           | LeaderRequest | UnsupportedRequest)
 
 
 @overload
@@ -201,6 +265,95 @@ def _msg_id(obj: dict[str, Any]) -> int:
     return value
 
 
+def _seconds_ms(obj: dict[str, Any], field: str, *, positive: bool) -> int:
+    """An optional duration in seconds, as ms (0 when absent)."""
+    value = obj.get(field)
+    if value is None:
+        return 0
+    if type(value) is not int and type(value) is not float:
+        raise BadRequest(f"{field} must be a number of seconds")
+    if value < 0 or (positive and value <= 0):
+        raise BadRequest(f"{field} must be {'positive' if positive else 'at least 0'}")
+    if value > MAX_TIME_S:
+        raise BadRequest(f"{field} out of range")
+    ms = round(value * 1000)
+    if positive and ms < 1:
+        raise BadRequest(f"{field} must be at least 0.001 s")
+    return ms
+
+
+def _count(obj: dict[str, Any], default: int | None) -> int | None:
+    value = obj.get("count")
+    if value is None:
+        return default
+    if type(value) is not int or not 1 <= value <= MAX_COUNT:
+        raise BadRequest(f"count must be an integer from 1 to {MAX_COUNT}")
+    return value
+
+
+def _consume(obj: dict[str, Any]) -> ConsumeRequest:
+    names = obj.get("queues")
+    if names is None:
+        queues: tuple[str, ...] = (_queue(obj),)
+    else:
+        if obj.get("queue") is not None:
+            raise BadRequest("give queue or queues, not both")
+        if type(names) is not list or not 1 <= len(names) <= MAX_QUEUES:
+            raise BadRequest(f"queues must be a list of 1 to {MAX_QUEUES} queue names")
+        for name in names:
+            if type(name) is not str or not 0 < len(name) <= MAX_QUEUE_NAME:
+                raise BadRequest(f"queues must hold queue names (strings of 1 to "
+                                 f"{MAX_QUEUE_NAME} characters)")
+        if len(set(names)) != len(names):
+            raise BadRequest("queues names a queue twice")
+        queues = tuple(names)
+    return ConsumeRequest(queues, _count(obj, None), _seconds_ms(obj, "wait", positive=False),
+                          _seconds_ms(obj, "lease", positive=True), names is not None)
+
+
+def _receipt(obj: dict[str, Any]) -> Receipt | None:
+    value = obj.get("receipt")
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise BadRequest("receipt must be a string")
+    if not 0 < len(value) <= MAX_RECEIPT:
+        raise BadRequest(f"receipt must be 1 to {MAX_RECEIPT} characters")
+    parts = value.split(".")
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) < 20 for p in parts):
+        return _NO_RECEIPT
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def _nack_delay(obj: dict[str, Any]) -> float:
+    value = _time(obj, "delay")
+    return 0 if value is None else value
+
+
+def _settings(obj: dict[str, Any]) -> dict[str, Any]:
+    raw = obj.get("set")
+    if raw is None:
+        return {}
+    if type(raw) is not dict:
+        raise BadRequest("set must be an object of settings")
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name == "max_deliveries":
+            if type(value) is not int or not 0 <= value <= MAX_DELIVERIES:
+                raise BadRequest(f"bad value for max_deliveries: must be an integer from 0 "
+                                 f"(unlimited) to {MAX_DELIVERIES}")
+        elif name == "dead_letter":
+            if value is None:
+                value = ""
+            if type(value) is not str or len(value) > MAX_QUEUE_NAME:
+                raise BadRequest(f"bad value for dead_letter: must be a queue name (1 to "
+                                 f"{MAX_QUEUE_NAME} characters), or null for none")
+        else:
+            raise BadRequest(f"unknown setting: {name}")
+        out[name] = value
+    return out
+
+
 def _pattern(obj: dict[str, Any]) -> str:
     pattern = obj.get("pattern")
     if pattern is None:
@@ -226,15 +379,26 @@ def parse_request(obj: object) -> Request:
     if action == 1:
         return _produce(obj)
     if action == 2:
-        return ConsumeRequest(_queue(obj))
+        return _consume(obj)
     if action == 3:
-        return ConfirmRequest(_queue(obj), _msg_id(obj))
+        return ConfirmRequest(_queue(obj), _msg_id(obj), _receipt(obj))
+    if action == 9:
+        return NackRequest(_queue(obj), _msg_id(obj), _receipt(obj), _nack_delay(obj))
+    if action == 10:
+        return TouchRequest(_queue(obj), _msg_id(obj), _receipt(obj),
+                            _seconds_ms(obj, "lease", positive=True))
+    if action == 11:
+        return ShowRequest(_queue(obj), _msg_id(obj))
+    if action == 12:
+        return PeekRequest(_queue(obj), _count(obj, 1) or 1)
+    if action == 5:
+        return ConfigRequest(_queue(obj), _settings(obj))
     if action == 4 or action == 104:
         return MonitorRequest(_queue(obj, required=False), action == 104)
     if action == 7 or action == 107:
         return ListRequest(_pattern(obj), action == 107)
     if action == 8:
         return LeaderRequest()
-    if action == 5 or action == 6:
+    if action == 6:
         return UnsupportedRequest(action)
     raise BadRequest("invalid action")

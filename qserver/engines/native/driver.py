@@ -49,10 +49,21 @@ from ...state.entries import Entry
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
 from ...storage import DiskStorage, StorageError, record_size_bound
-from ..base import Done, EngineStatus, FatalHandler, ForwardedHandler, LeaderInfo, Respond, Role
+from ..base import (
+    Cancel,
+    Done,
+    EngineStatus,
+    FatalHandler,
+    ForwardedHandler,
+    LeaderInfo,
+    Respond,
+    Role,
+    RoleHandler,
+)
 from ..forwarding import Forwarder
 from ..messages import (
     Forward,
+    ForwardCancel,
     ForwardReply,
     Message,
     Push,
@@ -137,6 +148,9 @@ class ClusterEngine:
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: FatalHandler | None = None
+        # Set by the node: told when this node becomes or stops being master.
+        self.on_role_change: RoleHandler | None = None
+        self._was_master = False  # as last told to on_role_change
         # When the log is fsynced: exists iff storage does (None without).
         self.durability: Durability | None = None
         if storage is not None:
@@ -210,12 +224,18 @@ class ClusterEngine:
     def commit_now(self, entry: Entry) -> object:
         raise InvariantError("commit_now on an engine that does not commit at once")
 
-    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
-        """Relay a client request to the master; False if none is reachable."""
+    def forward(self, request: dict, respond: Respond,
+                timeout_s: float | None = None) -> Cancel | None:
+        """Relay a client request to the master; None if none is reachable."""
         leader_id = self.core.leader_id
         if not leader_id or leader_id == self.config.node_id or self.forwarder is None:
-            return False
+            return None
         return self.forwarder.forward(leader_id, request, respond, timeout_s)
+
+    @property
+    def epoch(self) -> int:
+        """Receipts' epoch: the vote_id (one master per vote_id)."""
+        return self.core.vote_id
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -273,6 +293,9 @@ class ClusterEngine:
             return
         if type(msg) is ForwardReply:
             self._forwarding().on_reply(msg)
+            return
+        if type(msg) is ForwardCancel:
+            self._forwarding().on_cancel(peer_id, msg)
             return
         if type(msg) is SnapshotChunk:
             self.snapshots.on_chunk(peer_id, msg)
@@ -340,6 +363,8 @@ class ClusterEngine:
             self._send_all(net, ready.messages)
         for answer in ready.answers:
             answer()
+        if self.core.is_master is not self._was_master:
+            self._role_changed()
         for peer_id, trans_id, vote_id in ready.snapshot_sends:
             self.snapshots.stream(peer_id, trans_id, vote_id)
         self.snapshots.maybe_write()
@@ -461,3 +486,8 @@ class ClusterEngine:
         self._timer = None
         self.core.tick(now_ms())
         self._flush()
+
+    def _role_changed(self) -> None:
+        master = self._was_master = self.core.is_master
+        if self.on_role_change is not None:
+            self.on_role_change(master)

@@ -70,6 +70,7 @@ from ...errors import InvariantError
 from ...state.entries import Entry, Noop
 from ...state.store import Store
 from ..base import (
+    Cancel,
     Done,
     EngineStatus,
     FatalHandler,
@@ -77,9 +78,17 @@ from ..base import (
     LeaderInfo,
     Respond,
     Role,
+    RoleHandler,
 )
 from ..forwarding import Forwarder
-from ..messages import Forward, ForwardReply, Hello, message_from_peer, message_to_wire
+from ..messages import (
+    Forward,
+    ForwardCancel,
+    ForwardReply,
+    Hello,
+    message_from_peer,
+    message_to_wire,
+)
 from ..peers import PeerNetwork
 from .appends import RaftAppends
 from .machine import OUTCOME_UNKNOWN, RaftMachine
@@ -328,6 +337,8 @@ class RaftEngine:
         # The raft engine cannot fail on its own in a way the node must hear
         # of here: what escapes pysyncobj's thread is raised on the loop.
         self.on_fatal: FatalHandler | None = None
+        # Set by the node: told when this node becomes or stops being master.
+        self.on_role_change: RoleHandler | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tmp_dir: str | None = None
         self._raft_state = _FOLLOWER  # pysyncobj's state, as last reported to the loop
@@ -418,12 +429,25 @@ class RaftEngine:
     def commit_now(self, entry: Entry) -> object:
         raise InvariantError("commit_now on an engine that does not commit at once")
 
-    def forward(self, request: dict, respond: Respond, timeout_s: float | None = None) -> bool:
-        """Relay a client request to the master; False if none is reachable."""
+    def forward(self, request: dict, respond: Respond,
+                timeout_s: float | None = None) -> Cancel | None:
+        """Relay a client request to the master; None if none is reachable."""
         leader = self.leader()
         if leader is None or self.forwarder is None:
-            return False
+            return None
         return self.forwarder.forward(leader.node_id, request, respond, timeout_s)
+
+    @property
+    def epoch(self) -> int:
+        """Receipts' epoch: the machine's (term, k, node_id) in one number
+        (term above bit 32, k and the node id in 16 bits each: unique while
+        a term opens fewer than 65,536 epochs and node ids differ in their
+        low 16 bits)."""
+        mine = self.machine.my_epoch
+        if mine is None:
+            return 0
+        term, k, node_id = mine
+        return term << 32 | (k & 0xFFFF) << 16 | (node_id & 0xFFFF)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -581,9 +605,12 @@ class RaftEngine:
         if (self._leader_term is not None and not m.is_master and m.barrier_wanted is None
                 and not self._closing):
             self._submit(m.make_barrier(self._leader_term))
+        was_master = self.is_master
         self.is_master = self._leader_term is not None and m.is_master
         for answer in answers:
             answer()
+        if self.is_master is not was_master and self.on_role_change is not None:
+            self.on_role_change(self.is_master)
         role = self._role()
         if role is not self._last_role:
             self._last_role = role
@@ -629,4 +656,6 @@ class RaftEngine:
             forwarder.serve(peer_id, msg, self.handle_forwarded)
         elif isinstance(msg, ForwardReply):
             forwarder.on_reply(msg)
+        elif isinstance(msg, ForwardCancel):
+            forwarder.on_cancel(peer_id, msg)
         # Anything else is the native engine's: not ours to act on.
