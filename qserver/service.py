@@ -90,6 +90,10 @@ __all__ = ["Service", "Respond", "Session"]
 # tick comes at once for the rest.
 EXPIRE_BATCH = 256
 
+# A move of an expired final lease that the engine refused (a full disk) is
+# tried again this much later.
+EXPIRE_RETRY_MS = 1000
+
 # The answers that say a receipt or an in-flight state did not match: they
 # append no entry, so they rest on committed state (read index).
 _READ_ERRORS = frozenset({"stale receipt", "not in flight"})
@@ -130,10 +134,6 @@ def _retry_at(obj: JsonObject, retry_at_ms: int) -> None:
 
 def _configured(obj: JsonObject, settings: JsonObject) -> None:
     obj["config"] = settings
-
-
-def _ignore(_result: object, _error: str | None) -> None:
-    pass
 
 
 def _default_settings() -> JsonObject:
@@ -281,7 +281,7 @@ class Service:
         obj["deliveries"] = deliveries
         retry_at_ms = consumed[2]
         if retry_at_ms:
-            obj["receipt"] = receipt_text(consumed[3], msg_id, deliveries)
+            obj["receipt"] = f"{consumed[3]}.{msg_id}.{deliveries}"  # receipt_text, inline
             if consumed[4] or self.waiting:
                 self._delivered_later(queue, retry_at_ms)
         return obj
@@ -439,13 +439,27 @@ class Service:
             outcome = self.store.decide_consume(req, now_ms, epoch)
             if type(outcome) is not DeadLetter:
                 return outcome  # type: ignore[return-value]
-            self._move(outcome, now_ms)
+            error = self._move(outcome, now_ms)
+            if error is not None:
+                return error
 
-    def _move(self, move: DeadLetter, now_ms: int) -> None:
-        """Append a dead-letter move that no client waits for."""
-        self.engine.propose(move, _ignore)
+    def _move(self, move: DeadLetter, now_ms: int) -> str | None:
+        """Append a dead-letter move that no client waits for. Returns the
+        reason if the engine refused it at once (a full disk, no longer
+        master): then nothing changed, and deciding again gives the same
+        move, so the caller must stop."""
+        refused: list[str] = []
+
+        def done(_result: object, error: str | None) -> None:
+            if error is not None:
+                refused.append(error)
+
+        self.engine.propose(move, done)
+        if refused:
+            return refused[0]
         if self.waiting and move.targets:
             self._written([name for name, _ in move.targets], now_ms)
+        return None
 
     def _deliver(self, obj: JsonObject, req: ConsumeRequest, entry: Consume | ConsumeMany,
                  respond: Respond) -> None:
@@ -712,12 +726,15 @@ class Service:
             for name in list(self.waiting):
                 self._serve(name, now_ms)
             store = self.store
+            final_ms = store.next_final_ms()
             for _ in range(EXPIRE_BATCH):
                 moves = store.decide_expired(now_ms, 1)
                 if not moves:
+                    final_ms = store.next_final_ms()
                     break
-                self._move(moves[0], now_ms)
-            final_ms = store.next_final_ms()
+                if self._move(moves[0], now_ms) is not None:
+                    final_ms = now_ms + EXPIRE_RETRY_MS  # refused: not in a busy loop
+                    break
             if final_ms is not None:
                 self._arm(final_ms)
         if timeouts:

@@ -966,7 +966,11 @@ class Store:
             else:
                 queue.unindex_pending(msg_id, msg[READY_MS])
         if retry_at_ms:
-            msg = queue.messages[msg_id] = _with_delivery(msg, retry_at_ms, epoch, final)
+            if len(msg) == _SHORT:  # the first delivery: _with_delivery, inline
+                msg = (msg[0], msg[1], msg[2], msg[3], retry_at_ms, 1, 0, epoch, final)
+            else:
+                msg = _with_delivery(msg, retry_at_ms, epoch, final)
+            queue.messages[msg_id] = msg
             if final:
                 queue.finals.add(retry_at_ms << _ID_BITS | msg_id)
                 self.final_queues.add(name)
