@@ -183,7 +183,9 @@ def test_consume_delivers_in_order_then_empty(node):
     node.produce("q", "one")
     node.produce("q", "two")
     r1 = ok(node({"action": 2, "queue": "q", "seq": "c1"}))
-    assert r1 == {"action": 2, "queue": "q", "seq": "c1", "code": 0, "msg_id": 1, "data": "one"}
+    # At-most-once: deleted as delivered, so no receipt; its first delivery.
+    assert r1 == {"action": 2, "queue": "q", "seq": "c1", "code": 0, "msg_id": 1, "data": "one",
+                  "deliveries": 1}
     r2 = ok(node({"action": 2, "queue": "q"}))
     assert (r2["msg_id"], r2["data"]) == (2, "two")
     empty = node({"action": 2, "queue": "q", "seq": 5})
@@ -204,12 +206,15 @@ def test_at_most_once_is_deleted_by_consume(node):
 
 def test_retry_redelivers_until_confirmed(node):
     node.produce("q", "job", retry=10)
-    assert ok(node({"action": 2, "queue": "q"}))["msg_id"] == 1
+    first = ok(node({"action": 2, "queue": "q"}))
+    assert first == {"action": 2, "queue": "q", "code": 0, "msg_id": 1, "data": "job",
+                     "deliveries": 1, "receipt": "1.1.1"}
     assert "msg_id" not in node({"action": 2, "queue": "q"}, NOW_MS + 9_999)
     again = ok(node({"action": 2, "queue": "q"}, NOW_MS + 10_000))
-    assert (again["msg_id"], again["data"]) == (1, "job")
+    assert again == {"action": 2, "queue": "q", "code": 0, "msg_id": 1, "data": "job",
+                     "deliveries": 2, "receipt": "1.1.2"}
     conf = node({"action": 3, "queue": "q", "msg_id": 1, "seq": 4})
-    assert conf == {"action": 3, "queue": "q", "msg_id": 1, "seq": 4, "code": 0}
+    assert conf == {"action": 3, "queue": "q", "msg_id": 1, "seq": 4, "code": 0, "found": True}
     assert "msg_id" not in node({"action": 2, "queue": "q"}, NOW_MS + 60_000)
     assert len(node.store.get("q")) == 0
 
@@ -229,7 +234,7 @@ def test_confirm_unknown_is_ok(node, req):
     node.produce("q")
     before = node.log.last_trans_id
     resp = node(dict(req, seq=2))
-    assert resp == dict(req, seq=2, code=0)
+    assert resp == dict(req, seq=2, code=0, found=False)
     assert node.log.last_trans_id == before  # nothing logged
     assert node.store.get("nope") is None
 
@@ -237,8 +242,8 @@ def test_confirm_unknown_is_ok(node, req):
 def test_confirm_twice(node):
     node.produce("q", retry=10)
     ok(node({"action": 2, "queue": "q"}))
-    ok(node({"action": 3, "queue": "q", "msg_id": 1}))
-    ok(node({"action": 3, "queue": "q", "msg_id": 1}))
+    assert ok(node({"action": 3, "queue": "q", "msg_id": 1}))["found"] is True
+    assert ok(node({"action": 3, "queue": "q", "msg_id": 1}))["found"] is False
 
 
 # -- monitor, list, leader ---------------------------------------------------
@@ -316,12 +321,22 @@ def test_leader(node):
 
 # -- unsupported and bad requests --------------------------------------------
 
-@pytest.mark.parametrize("action", [5, 6])
-def test_config_and_clear_are_not_supported(node, action):
+def test_clear_is_not_supported(node):
     node.produce("q")
-    resp = node({"action": action, "queue": "q", "seq": 1})
-    assert resp == {"action": action, "queue": "q", "seq": 1, "code": -1, "reason": "not support"}
+    resp = node({"action": 6, "queue": "q", "seq": 1})
+    assert resp == {"action": 6, "queue": "q", "seq": 1, "code": -1, "reason": "not support"}
     assert len(node.store.get("q")) == 1  # clear did nothing
+
+
+def test_config_without_set_reads_the_settings_and_changes_nothing(node):
+    # Action 5 was "not support" (queue_server); it is config now (protocol-v2).
+    node.produce("q")
+    before = node.log.last_trans_id
+    resp = node({"action": 5, "queue": "q", "seq": 1})
+    assert resp == {"action": 5, "queue": "q", "seq": 1, "code": 0,
+                    "config": {"max_deliveries": 0, "dead_letter": None}}
+    assert node.log.last_trans_id == before  # a read logs nothing
+    assert len(node.store.get("q")) == 1
 
 
 @pytest.mark.parametrize("req,reason", [

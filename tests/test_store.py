@@ -237,8 +237,9 @@ def test_never_delivered_before_its_delay(d, delay_ms):
 def test_retry_zero_deletes_on_consume_never_twice(d):
     d.produce(NOW, retry=0)
     entry = d.decide_consume(NOW)
-    assert entry == Consume(queue="q", msg_id=1, retry_at_ms=0)
-    assert d.apply(entry) == (1, "m")
+    # At-most-once: no lease, no receipt (epoch 0), not a final delivery.
+    assert entry == Consume(queue="q", msg_id=1, retry_at_ms=0, epoch=0, final=0)
+    assert d.apply(entry) == (1, "m", 1)  # (msg_id, data, deliveries)
     assert len(d.store.get("q")) == 0
     for t in (NOW, NOW + 1000, NOW + HOUR_MS, NOW + 100 * HOUR_MS):
         assert d.consume(t) is None
@@ -250,7 +251,8 @@ def test_retry_comes_back_exactly_retry_seconds_after_consume(d):
     t1 = NOW + 500
     entry = d.decide_consume(t1)
     assert entry.retry_at_ms == t1 + 7000
-    assert d.apply(entry) == (1, "m")
+    assert entry.epoch == 1  # the deciding master's: the receipt's first part
+    assert d.apply(entry) == (1, "m", 1)
     assert d.consume(t1) is None
     assert d.consume(t1 + 6999) is None
     assert d.consume(t1 + 7000) == (1, "m")
@@ -293,7 +295,8 @@ def test_last_delivery_when_next_retry_reaches_ttl_deletes(d):
     assert d.consume(NOW + 5000) == (1, "m")
     last = d.decide_consume(NOW + 10_000)
     assert last.retry_at_ms == 0  # NOW+15000 would pass the ttl
-    assert d.apply(last) == (1, "m")
+    assert last.epoch == 0  # deleted by this delivery: no receipt
+    assert d.apply(last) == (1, "m", 3)  # its third delivery
     assert len(d.store.get("q")) == 0
     assert d.consume(NOW + 100 * HOUR_MS) is None
 
@@ -715,7 +718,7 @@ def test_apply_with_undo_gives_the_same_result_and_state(d):
     for drv in (d, plain):
         drv.produce(NOW, "q", retry=3)
     entry = d.decide_consume(NOW)
-    assert d.store.apply(entry, []) == plain.store.apply(entry) == (1, "m")
+    assert d.store.apply(entry, []) == plain.store.apply(entry) == (1, "m", 1)
     assert d.store.to_wire() == plain.store.to_wire()
 
 
