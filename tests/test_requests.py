@@ -9,14 +9,22 @@ from hypothesis import strategies as st
 
 from qserver.errors import BadRequest
 from qserver.wire.requests import (
+    MAX_COUNT,
+    MAX_DELIVERIES,
     MAX_QUEUE_NAME,
+    MAX_QUEUES,
     MAX_TIME_S,
+    ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
     LeaderRequest,
     ListRequest,
     MonitorRequest,
+    NackRequest,
+    PeekRequest,
     ProduceRequest,
+    ShowRequest,
+    TouchRequest,
     UnsupportedRequest,
     parse_request,
 )
@@ -92,9 +100,14 @@ def test_leader():
     assert parse_request({"action": 8, "queue": 5}) == LeaderRequest()  # fields it does not use
 
 
-@pytest.mark.parametrize("action", [5, 6])
-def test_unsupported(action):
-    assert parse_request({"action": action, "queue": "q"}) == UnsupportedRequest(action=action)
+def test_unsupported():
+    # Action 6 (clear) is still queue_server's "not support"; 5 is config now.
+    assert parse_request({"action": 6, "queue": "q"}) == UnsupportedRequest(action=6)
+
+
+def test_config_read():
+    assert parse_request({"action": 5, "queue": "q"}) == ConfigRequest("q", {})
+    assert parse_request({"action": 5, "queue": "q", "set": None}) == ConfigRequest("q", {})
 
 
 def test_extra_fields_are_ignored():
@@ -120,12 +133,14 @@ def test_non_integer_action(action):
     assert reason({"action": action, "queue": "q", "data": "x"}) == "action must be an integer"
 
 
-@pytest.mark.parametrize("action", [0, -1, 9, 99, 100, 101, 105, 106, 108, 2**70])
+@pytest.mark.parametrize("action", [0, -1, 13, 99, 100, 101, 105, 106, 108, 2**70])
 def test_unknown_action(action):
     assert reason({"action": action, "queue": "q"}) == "invalid action"
 
 
-QUEUE_ACTIONS = [{"action": 1, "data": "x"}, {"action": 2}, {"action": 3, "msg_id": 1}]
+QUEUE_ACTIONS = [{"action": 1, "data": "x"}, {"action": 2}, {"action": 3, "msg_id": 1},
+                 {"action": 5}, {"action": 9, "msg_id": 1}, {"action": 10, "msg_id": 1},
+                 {"action": 11, "msg_id": 1}, {"action": 12}]
 OPTIONAL_QUEUE_ACTIONS = [{"action": 4}, {"action": 104}]
 
 
@@ -149,14 +164,17 @@ def test_empty_queue(base):
 @pytest.mark.parametrize("base", QUEUE_ACTIONS + OPTIONAL_QUEUE_ACTIONS)
 def test_queue_name_length(base):
     ok = parse_request(dict(base, queue="q" * MAX_QUEUE_NAME))
-    assert ok.queue == "q" * MAX_QUEUE_NAME
+    if type(ok) is ConsumeRequest:
+        assert ok.queues == ("q" * MAX_QUEUE_NAME,)
+    else:
+        assert ok.queue == "q" * MAX_QUEUE_NAME
     assert reason(dict(base, queue="q" * (MAX_QUEUE_NAME + 1))) == (
         f"queue name longer than {MAX_QUEUE_NAME} characters")
 
 
 def test_queue_name_length_counts_characters():
     name = "\u4e16" * MAX_QUEUE_NAME  # 3 bytes each in utf-8
-    assert parse_request({"action": 2, "queue": name}).queue == name
+    assert parse_request({"action": 2, "queue": name}).queues == (name,)
 
 
 PRODUCE = {"action": 1, "queue": "q", "data": "x"}
@@ -229,6 +247,217 @@ def test_pattern_not_a_string(action, pattern):
     assert reason({"action": action, "pattern": pattern}) == "pattern must be a string"
 
 
+# -- the consumer controls (protocol-v2, issue 14) ------------------------------
+
+CONSUME = {"action": 2, "queue": "q"}
+
+
+def test_consume_with_every_new_field():
+    req = parse_request({"action": 2, "queues": ["a", "b"], "count": 10, "wait": 1.5,
+                         "lease": 30})
+    assert req == ConsumeRequest(("a", "b"), 10, 1500, 30_000, True)
+    # null is absent, as for produce's optional fields
+    req = parse_request(dict(CONSUME, count=None, wait=None, lease=None, queues=None))
+    assert req == ConsumeRequest(("q",), None, 0, 0, False)
+
+
+@pytest.mark.parametrize("count", [1, MAX_COUNT])
+def test_consume_count_bounds(count):
+    assert parse_request(dict(CONSUME, count=count)).batch == count
+
+
+@pytest.mark.parametrize("count", [0, -1, MAX_COUNT + 1, "x", "5", True, False, 1.0, [1], {}])
+def test_consume_bad_count(count):
+    assert reason(dict(CONSUME, count=count)) == f"count must be an integer from 1 to {MAX_COUNT}"
+
+
+@pytest.mark.parametrize("wait,ms", [(0, 0), (0.0, 0), (1, 1000), (0.25, 250), (30, 30_000)])
+def test_consume_wait(wait, ms):
+    assert parse_request(dict(CONSUME, wait=wait)).wait_ms == ms
+
+
+@pytest.mark.parametrize("wait,why", [
+    ("5", "wait must be a number of seconds"),
+    (True, "wait must be a number of seconds"),
+    ([1], "wait must be a number of seconds"),
+    (-1, "wait must be at least 0"),
+    (-0.001, "wait must be at least 0"),
+    (MAX_TIME_S + 1, "wait out of range"),
+    (1e300, "wait out of range"),
+])
+def test_consume_bad_wait(wait, why):
+    assert reason(dict(CONSUME, wait=wait)) == why
+
+
+@pytest.mark.parametrize("field", ["lease"])
+@pytest.mark.parametrize("action", [2, 10])
+@pytest.mark.parametrize("value,why", [
+    (0, "{f} must be positive"),
+    (0.0, "{f} must be positive"),
+    (-1, "{f} must be positive"),
+    (0.0004, "{f} must be at least 0.001 s"),  # rounds to 0 ms
+    ("1", "{f} must be a number of seconds"),
+    (True, "{f} must be a number of seconds"),
+    (MAX_TIME_S + 1, "{f} out of range"),
+])
+def test_bad_lease(field, action, value, why):
+    obj = {"action": action, "queue": "q", "msg_id": 1, field: value}
+    assert reason(obj) == why.format(f=field)
+
+
+def test_lease_in_ms():
+    assert parse_request(dict(CONSUME, lease=0.001)).lease_ms == 1
+    assert parse_request(dict(CONSUME, lease=2.5)).lease_ms == 2500
+    assert parse_request({"action": 10, "queue": "q", "msg_id": 1, "lease": 7}).lease_ms == 7000
+
+
+def test_consume_queues_bounds():
+    names = [f"q{i}" for i in range(MAX_QUEUES)]
+    assert parse_request({"action": 2, "queues": names}).queues == tuple(names)
+    assert parse_request({"action": 2, "queues": ["x" * MAX_QUEUE_NAME]}).many is True
+    # `queue` null next to `queues` is absent, not "both"
+    assert parse_request({"action": 2, "queue": None, "queues": ["a"]}).queues == ("a",)
+
+
+LIST_REASON = f"queues must be a list of 1 to {MAX_QUEUES} queue names"
+NAMES_REASON = (f"queues must hold queue names (strings of 1 to {MAX_QUEUE_NAME} "
+                f"characters)")
+
+
+@pytest.mark.parametrize("queues,why", [
+    ([], LIST_REASON),
+    ([f"q{i}" for i in range(MAX_QUEUES + 1)], LIST_REASON),
+    ("q", LIST_REASON),
+    ({"q": 1}, LIST_REASON),
+    (5, LIST_REASON),
+    (["a", 1], NAMES_REASON),
+    (["a", None], NAMES_REASON),
+    ([["a"]], NAMES_REASON),
+    (["a", ""], NAMES_REASON),
+    (["x" * (MAX_QUEUE_NAME + 1)], NAMES_REASON),
+    (["a", "b", "a"], "queues names a queue twice"),
+])
+def test_consume_bad_queues(queues, why):
+    assert reason({"action": 2, "queues": queues}) == why
+
+
+def test_consume_queue_and_queues():
+    assert reason({"action": 2, "queue": "a", "queues": ["b"]}) == "give queue or queues, not both"
+    assert reason({"action": 2, "queue": "a", "queues": ["a"]}) == "give queue or queues, not both"
+    assert reason({"action": 2}) == "missing field: queue"
+
+
+def test_confirm_with_receipt():
+    req = parse_request({"action": 3, "queue": "q", "msg_id": 7, "receipt": "12.7.3"})
+    assert req == ConfirmRequest("q", 7, (12, 7, 3))
+    assert parse_request({"action": 3, "queue": "q", "msg_id": 7, "receipt": None}).receipt is None
+
+
+@pytest.mark.parametrize("action", [3, 9, 10])
+@pytest.mark.parametrize("receipt,why", [
+    (1, "receipt must be a string"),
+    (1.5, "receipt must be a string"),
+    (True, "receipt must be a string"),
+    (["1.2.3"], "receipt must be a string"),
+    ({}, "receipt must be a string"),
+    ("", "receipt must be 1 to 64 characters"),
+    ("1" * 65, "receipt must be 1 to 64 characters"),
+])
+def test_bad_receipt(action, receipt, why):
+    assert reason({"action": action, "queue": "q", "msg_id": 1, "receipt": receipt}) == why
+
+
+@pytest.mark.parametrize("action", [3, 9, 10])
+@pytest.mark.parametrize("receipt", [
+    "x", "1.2", "1.2.3.4", "1..3", "-1.2.3", "1.2.a", " 1.2.3", "1.2.3 ", "\u00b2.1.1",
+    "1.1.\u0663", "1" * 20 + ".1.1", "1" * 64,
+])
+def test_garbage_receipt_is_a_receipt_that_matches_nothing(action, receipt):
+    # Not an error at parse time: the service answers "stale receipt".
+    req = parse_request({"action": action, "queue": "q", "msg_id": 1, "receipt": receipt})
+    assert req.receipt == (0, 0, 0)
+
+
+def test_nack():
+    assert (parse_request({"action": 9, "queue": "q", "msg_id": 4})
+            == NackRequest("q", 4, None, 0))
+    assert (parse_request({"action": 9, "queue": "q", "msg_id": "4", "receipt": "1.4.2",
+                           "delay": 2.5})
+            == NackRequest("q", 4, (1, 4, 2), 2.5))
+    assert parse_request({"action": 9, "queue": "q", "msg_id": 4, "delay": None}).delay_s == 0
+
+
+@pytest.mark.parametrize("delay,why", [
+    ("1", "delay must be a number"),
+    (True, "delay must be a number"),
+    (-1, "delay must not be negative"),
+    (MAX_TIME_S + 1, "delay out of range"),
+])
+def test_nack_bad_delay(delay, why):
+    assert reason({"action": 9, "queue": "q", "msg_id": 4, "delay": delay}) == why
+
+
+def test_touch_show_peek():
+    assert (parse_request({"action": 10, "queue": "q", "msg_id": 4})
+            == TouchRequest("q", 4, None, 0))
+    assert parse_request({"action": 11, "queue": "q", "msg_id": 4}) == ShowRequest("q", 4)
+    assert parse_request({"action": 12, "queue": "q"}) == PeekRequest("q", 1)
+    assert parse_request({"action": 12, "queue": "q", "count": MAX_COUNT}) == PeekRequest(
+        "q", MAX_COUNT)
+
+
+@pytest.mark.parametrize("action", [9, 10, 11])
+def test_new_actions_need_a_msg_id(action):
+    assert reason({"action": action, "queue": "q"}) == "missing field: msg_id"
+    assert reason({"action": action, "queue": "q", "msg_id": 0}) == "msg_id must be positive"
+    assert reason({"action": action, "queue": "q", "msg_id": 1.5}) == "msg_id must be an integer"
+
+
+@pytest.mark.parametrize("count", [0, MAX_COUNT + 1, "x", True])
+def test_peek_bad_count(count):
+    assert reason({"action": 12, "queue": "q", "count": count}) == (
+        f"count must be an integer from 1 to {MAX_COUNT}")
+
+
+def test_config_set():
+    req = parse_request({"action": 5, "queue": "q",
+                         "set": {"max_deliveries": 3, "dead_letter": "dlq"}})
+    assert req == ConfigRequest("q", {"max_deliveries": 3, "dead_letter": "dlq"})
+    # null and "" both mean no dead-letter queue
+    for none in (None, ""):
+        req = parse_request({"action": 5, "queue": "q", "set": {"dead_letter": none}})
+        assert req == ConfigRequest("q", {"dead_letter": ""})
+    req = parse_request({"action": 5, "queue": "q", "set": {"max_deliveries": MAX_DELIVERIES}})
+    assert req.settings == {"max_deliveries": MAX_DELIVERIES}
+
+
+MAX_DELIVERIES_REASON = (f"bad value for max_deliveries: must be an integer from 0 "
+                         f"(unlimited) to {MAX_DELIVERIES}")
+DEAD_LETTER_REASON = (f"bad value for dead_letter: must be a queue name (1 to "
+                      f"{MAX_QUEUE_NAME} characters), or null for none")
+
+
+@pytest.mark.parametrize("settings_,why", [
+    ([], "set must be an object of settings"),
+    ("max_deliveries=3", "set must be an object of settings"),
+    (3, "set must be an object of settings"),
+    ({"paused": "in"}, "unknown setting: paused"),  # the next issue's
+    ({"max_deliveries": 1, "colour": "red"}, "unknown setting: colour"),
+    ({"max_deliveries": -1}, MAX_DELIVERIES_REASON),
+    ({"max_deliveries": MAX_DELIVERIES + 1}, MAX_DELIVERIES_REASON),
+    ({"max_deliveries": "3"}, MAX_DELIVERIES_REASON),
+    ({"max_deliveries": 3.0}, MAX_DELIVERIES_REASON),
+    ({"max_deliveries": True}, MAX_DELIVERIES_REASON),
+    ({"max_deliveries": None}, MAX_DELIVERIES_REASON),
+    ({"dead_letter": 5}, DEAD_LETTER_REASON),
+    ({"dead_letter": ["d"]}, DEAD_LETTER_REASON),
+    ({"dead_letter": False}, DEAD_LETTER_REASON),
+    ({"dead_letter": "d" * (MAX_QUEUE_NAME + 1)}, DEAD_LETTER_REASON),
+])
+def test_config_bad_set(settings_, why):
+    assert reason({"action": 5, "queue": "q", "set": settings_}) == why
+
+
 def test_first_problem_wins():
     # action is checked before the fields; queue before data.
     assert reason({"action": "x", "queue": 1}) == "action must be an integer"
@@ -241,14 +470,16 @@ json_values = st.recursive(
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
     max_leaves=8,
 )
-FIELDS = ["action", "queue", "data", "delay", "ttl", "retry", "msg_id", "pattern", "seq"]
+FIELDS = ["action", "queue", "data", "delay", "ttl", "retry", "msg_id", "pattern", "seq",
+          "count", "queues", "wait", "lease", "receipt", "set"]
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(obj=json_values | st.dictionaries(
     st.sampled_from(FIELDS),
-    st.one_of(json_values, st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 104, 107]),
-              st.sampled_from(["q", "", "7", "\u00b2"])),
+    st.one_of(json_values, st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 104, 107]),
+              st.sampled_from(["q", "", "7", "\u00b2", "1.2.3", ["q", "r"], ["q", "q"], [],
+                               {"max_deliveries": 3}, {"dead_letter": None}, {"x": 1}])),
 ))
 def test_fuzz_parse_request_returns_a_request_or_raises_bad_request(obj):
     try:
@@ -257,6 +488,18 @@ def test_fuzz_parse_request_returns_a_request_or_raises_bad_request(obj):
         assert type(exc) is BadRequest and isinstance(exc.reason, str) and exc.reason
         return
     assert type(req) in (ProduceRequest, ConsumeRequest, ConfirmRequest, MonitorRequest,
-                         ListRequest, LeaderRequest, UnsupportedRequest)
-    if type(req) is ConfirmRequest:
+                         ListRequest, LeaderRequest, UnsupportedRequest, NackRequest,
+                         TouchRequest, ShowRequest, PeekRequest, ConfigRequest)
+    if type(req) in (ConfirmRequest, NackRequest, TouchRequest, ShowRequest):
         assert type(req.msg_id) is int and req.msg_id >= 1
+    if type(req) is ConsumeRequest:
+        assert 1 <= len(req.queues) <= MAX_QUEUES and len(set(req.queues)) == len(req.queues)
+        assert req.batch is None or 1 <= req.batch <= MAX_COUNT
+        assert type(req.wait_ms) is int and req.wait_ms >= 0
+        assert type(req.lease_ms) is int and req.lease_ms >= 0
+    if type(req) in (ConfirmRequest, NackRequest, TouchRequest) and req.receipt is not None:
+        assert len(req.receipt) == 3 and all(type(p) is int and p >= 0 for p in req.receipt)
+    if type(req) is PeekRequest:
+        assert 1 <= req.limit <= MAX_COUNT
+    if type(req) is ConfigRequest:
+        assert set(req.settings) <= {"max_deliveries", "dead_letter"}
