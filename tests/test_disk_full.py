@@ -22,7 +22,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from procs import Cluster, NodeProcess, TcpClient, free_port, wait_until
-from qserver.state.entries import Confirm, Consume, Noop, Produce, Record
+from qserver.state.entries import (
+    Configure,
+    Confirm,
+    Consume,
+    ConsumeMany,
+    DeadLetter,
+    Nack,
+    Noop,
+    Produce,
+    Record,
+    Touch,
+)
 from qserver.storage import DiskStorage, StorageError, disk, record_size_bound
 from qserver.storage.format import encode_record
 
@@ -152,15 +163,29 @@ def test_a_write_past_the_room_on_a_full_disk_stops_the_storage(tmp_path, monkey
 names = st.text(min_size=1, max_size=40)
 ids = st.integers(1, 2**64 - 1)
 times = st.integers(0, 2**64 - 1)
+finals = st.sampled_from([0, 1, 2])  # entries.FINAL_*
 entries = st.one_of(
     st.builds(lambda targets, data, a, b, c: Produce(targets=tuple(targets), data=data,
                                                      ready_ms=a, ttl_ms=b, retry_ms=c),
               st.lists(st.tuples(names, ids), min_size=1, max_size=4,
                        unique_by=lambda t: t[0]),
               st.text(max_size=300), times, times, times),
-    st.builds(Consume, queue=names, msg_id=ids, retry_at_ms=times),
+    st.builds(Consume, queue=names, msg_id=ids, retry_at_ms=times, epoch=times,
+              final=finals),
     st.builds(Confirm, queue=names, msg_id=ids),
-    st.just(Noop()))
+    st.just(Noop()),
+    st.builds(ConsumeMany, items=st.lists(st.tuples(names, ids, times, finals), min_size=1,
+                                          max_size=8, unique_by=lambda t: t[:2]).map(tuple),
+              epoch=times),
+    st.builds(Nack, queue=names, msg_id=ids, ready_ms=times),
+    st.builds(Touch, queue=names, msg_id=ids, retry_at_ms=ids, final=finals),
+    st.builds(DeadLetter, queue=names, msg_id=ids, reason=st.sampled_from([1, 2]),
+              targets=st.lists(st.tuples(names, ids), max_size=4,
+                               unique_by=lambda t: t[0]).map(tuple),
+              ready_ms=times, ttl_ms=times),
+    st.builds(Configure, queue=names, settings=st.lists(st.one_of(
+        st.tuples(st.just("max_deliveries"), st.integers(0, 1_000_000)),
+        st.tuples(st.just("dead_letter"), st.text(max_size=255))), max_size=2).map(tuple)))
 
 
 @settings(max_examples=500, deadline=None)
