@@ -13,8 +13,9 @@ import asyncio
 
 import pytest
 
+from qserver.engines.base import Session
 from qserver.engines.forwarding import FORWARD_TIMEOUT_S, Forwarder
-from qserver.engines.messages import Forward, ForwardReply, message_from_peer
+from qserver.engines.messages import Forward, ForwardCancel, ForwardReply, message_from_peer
 
 
 class FakeNet:
@@ -132,7 +133,9 @@ def test_the_master_serves_a_forward_and_answers_the_slave(with_handler):
     async def main():
         fwd, net = make(up=(2,), node_id=1)
         seen: list[tuple[dict, int]] = []
-        def handler(request: dict, now_ms: int, respond) -> None:
+
+        def handler(request: dict, now_ms: int, respond, session) -> None:
+            assert session is None  # no wait: nothing to cancel
             seen.append((request, now_ms))
             respond({"code": 0, "echo": request["queue"]})
 
@@ -147,5 +150,111 @@ def test_the_master_serves_a_forward_and_answers_the_slave(with_handler):
             assert request == {"queue": "q"} and now_ms > 1_600_000_000_000  # unix ms
         else:
             assert reply.response == {"code": -1, "reason": "no leader"}
+
+    run(main())
+
+
+# -- requests that may wait on the master (a consume with `wait`) ---------------
+
+
+def test_cancel_sends_forward_cancel_and_the_client_hears_nothing():
+    async def main():
+        fwd, net = make()
+        answers: list[dict] = []
+        cancel = fwd.forward(1, {"action": 2, "queue": "q", "wait": 5}, answers.append,
+                             timeout_s=FORWARD_TIMEOUT_S + 5)
+        assert cancel is not None and fwd.waiting == 1
+        sent = decode(2, net.sent[0][1])
+        cancel()  # the slave's client went
+        assert fwd.waiting == 0
+        (peer, wire) = net.sent[1]
+        msg = decode(2, wire)
+        assert peer == 1 and type(msg) is ForwardCancel
+        assert (msg.vote_id, msg.node_id, msg.request_id) == (7, 2, sent.request_id)
+        reply_to(fwd, net.sent[0][1], {"code": 0, "msg_id": 1})  # the master's late answer
+        assert answers == []
+        cancel()  # twice: nothing more is sent
+        assert len(net.sent) == 2
+
+    run(main())
+
+
+def test_cancel_after_the_answer_sends_nothing():
+    async def main():
+        fwd, net = make()
+        answers: list[dict] = []
+        cancel = fwd.forward(1, {"action": 2, "queue": "q", "wait": 5}, answers.append)
+        reply_to(fwd, net.sent[0][1], {"code": 0})
+        cancel()
+        assert answers == [{"code": 0}] and len(net.sent) == 1
+
+    run(main())
+
+
+def _serve_waiting(fwd: Forwarder, peer: int, request_id: int, parked: dict) -> None:
+    """The master serves a forwarded consume with `wait`; the handler parks
+    it (keeps respond and the session) instead of answering."""
+    def handler(request: dict, now_ms: int, respond, session) -> None:
+        assert isinstance(session, Session) and not session.closed
+        closed: list[bool] = []
+        session.add(lambda: closed.append(True))
+        parked[request_id] = (respond, session, closed)
+
+    fwd.serve(peer, Forward(vote_id=7, node_id=peer, request_id=request_id,
+                            request={"action": 2, "queue": "q", "wait": 3}), handler)
+
+
+def test_the_master_closes_the_session_of_a_cancelled_forward():
+    async def main():
+        fwd, net = make(up=(2, 3), node_id=1)
+        parked2: dict = {}
+        parked3: dict = {}
+        _serve_waiting(fwd, 2, 41, parked2)
+        _serve_waiting(fwd, 3, 41, parked3)  # another slave, the same request_id
+        assert net.sent == []  # parked: not answered
+        fwd.on_cancel(2, ForwardCancel(vote_id=7, node_id=2, request_id=41))
+        assert parked2[41][1].closed and parked2[41][2] == [True]
+        # the cancel of slave 2 reaches slave 2's request only
+        assert not parked3[41][1].closed and parked3[41][2] == []
+        fwd.on_cancel(3, ForwardCancel(vote_id=7, node_id=3, request_id=41))
+        assert parked3[41][1].closed and parked3[41][2] == [True]
+        fwd.on_cancel(3, ForwardCancel(vote_id=7, node_id=3, request_id=41))  # unknown: ignored
+        assert net.sent == []
+
+    run(main())
+
+
+def test_a_cancel_closes_only_its_own_session():
+    async def main():
+        fwd, net = make(up=(2,), node_id=1)
+        parked: dict = {}
+        _serve_waiting(fwd, 2, 41, parked)
+        _serve_waiting(fwd, 2, 42, parked)
+        fwd.on_cancel(2, ForwardCancel(vote_id=7, node_id=2, request_id=41))
+        assert parked[41][1].closed and parked[41][2] == [True]
+        assert not parked[42][1].closed and parked[42][2] == []
+        respond, _session, _ = parked[42]
+        respond({"code": 0})  # answered: its session is forgotten
+        (peer, wire), = net.sent
+        reply = decode(1, wire)
+        assert peer == 2 and type(reply) is ForwardReply and reply.request_id == 42
+        fwd.on_cancel(2, ForwardCancel(vote_id=7, node_id=2, request_id=42))
+        assert not parked[42][1].closed  # too late to cancel: nothing closed
+
+    run(main())
+
+
+def test_a_broken_link_closes_the_sessions_of_that_slave_and_close_closes_all():
+    async def main():
+        fwd, _net = make(up=(2, 3), node_id=1)
+        parked2: dict = {}
+        parked3: dict = {}
+        _serve_waiting(fwd, 2, 1, parked2)
+        _serve_waiting(fwd, 3, 1, parked3)
+        fwd.link_down(2)
+        assert parked2[1][1].closed and parked2[1][2] == [True]
+        assert not parked3[1][1].closed
+        fwd.close()
+        assert parked3[1][1].closed and parked3[1][2] == [True]
 
     run(main())

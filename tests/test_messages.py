@@ -9,6 +9,7 @@ import pytest
 from qserver.engines.messages import (
     MAX_JSON_DEPTH,
     Forward,
+    ForwardCancel,
     ForwardReply,
     Hello,
     Ping,
@@ -44,6 +45,13 @@ MESSAGES = [
     SnapshotChunk(vote_id=2, node_id=1, trans_id=9, log_vote_id=2, offset=0, data=b"ab",
                   last=True),
     SnapshotAck(vote_id=2, node_id=3, trans_id=9, offset=2),
+    ForwardCancel(vote_id=2, node_id=3, request_id=8),
+    # a forwarded long poll and the master's answer with the new fields
+    Forward(vote_id=2, node_id=3, request_id=9, request={"action": 2, "queues": ["a", "b"],
+                                                         "count": 10, "wait": 2.5}),
+    ForwardReply(vote_id=2, node_id=1, request_id=9, response={
+        "code": 0, "messages": [{"queue": "a", "msg_id": 1, "data": "x", "deliveries": 2,
+                                 "receipt": "2.1.2"}]}),
 ]
 
 
@@ -82,3 +90,22 @@ def test_forwarded_maps_may_not_nest_without_bound():
         node = node["a"]
     with pytest.raises(ValueError, match="nests deeper"):
         message_from_wire([9, 1, 2, 5, deep])
+
+
+def test_forward_cancel_wire_form():
+    assert message_to_wire(ForwardCancel(vote_id=2, node_id=3, request_id=8)) == [13, 2, 3, 8]
+
+
+@pytest.mark.parametrize("wire", [
+    [13, 2, 3], [13, 2, 3, 8, 0],  # wrong lengths
+    [13, 2, 3, -1], [13, 2, 3, True], [13, 2, 3, 1.0], [13, 2, 3, "8"], [13, 2, 3, None],
+])
+def test_malformed_forward_cancel_is_refused(wire):
+    with pytest.raises(ValueError):
+        message_from_wire(wire)
+    assert isinstance(message_from_peer(3, wire), str)
+
+
+def test_forward_cancel_in_another_nodes_name_is_dropped():
+    reason = message_from_peer(2, [13, 2, 3, 8])
+    assert isinstance(reason, str) and "dropped" in reason
