@@ -119,6 +119,25 @@ def test_default():
     assert cfg.max_request_size == DEFAULT_MAX_REQUEST_SIZE
     assert cfg.max_udp_request_size == min(DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD)
     assert cfg.queue_size > 0 and cfg.log_size > 0 and cfg.sync_rate > 0
+    assert cfg.max_wait_s == 30  # protocol-v2: <limits max_wait>, default 30 s
+
+
+@pytest.mark.parametrize("value", [0, 1, 30, 3600])
+def test_max_wait(value):
+    cfg = parse_xml(f'<config><limits max_wait="{value}"/></config>', "w.xml")
+    assert cfg == Config(source="w.xml", max_wait_s=value)
+    assert parse_json(json.dumps({"max_wait": value}), "w.json").max_wait_s == value
+    assert parse_json(json.dumps({"max_wait": str(value)}), "w.json").max_wait_s == value
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("-1", "max_wait=-1 out of range 0..3600"),
+    ("3601", "max_wait=3601 out of range 0..3600"),
+    ("x", "max_wait='x' is not an integer"),
+    ("1.5", "max_wait='1.5' is not an integer"),
+])
+def test_bad_max_wait(value, problem):
+    xml_error(f'<limits max_wait="{value}"/>', "limits", problem)
 
 
 def test_only_node_info_gives_defaults():
@@ -485,6 +504,8 @@ def test_json_errors():
     json_error({"port": [1]}, "port", "must be a number or a string")
     json_error({"engine": "paxos"}, "replication", "must be one of native|raft")
     json_error({"fsync": "never"}, "storage", "must be one of always|batch|off")
+    json_error({"max_wait": 99999}, "limits", "max_wait=99999 out of range 0..3600")
+    json_error({"max_wait": True}, "limits", "max_wait=True is not an integer")
     json_error({"forward_request": 2}, "replication", "forward_request=2 must be 1 or 0")
     json_error({"secret": ""}, "cluster", "secret must not be empty")
     json_error({"cluster_node_list": {}}, "cluster_node_list", "must be a list")
