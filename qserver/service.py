@@ -260,7 +260,7 @@ class Service:
         return obj
 
     def _consume_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
-        if len(obj) > 3 and (obj.get("count") is not None or obj.get("wait") is not None
+        if len(obj) > 2 and (obj.get("count") is not None or obj.get("wait") is not None
                              or obj.get("lease") is not None or obj.get("queues") is not None):
             return None  # the new fields: the general path
         consumed = self.store.decide_consume_values(queue, now_ms, self.engine.epoch)
