@@ -23,9 +23,12 @@ def test_produce_consume_confirm_over_tcp(node):
     assert r["code"] == 0 and r["msg_id"] == 1 and r["seq"] == 42
     assert "data" not in r
     r = c.request(action=2, queue="q", seq=43)
-    assert r == {"action": 2, "queue": "q", "seq": 43, "code": 0, "msg_id": 1, "data": "hello"}
+    # at-most-once (no retry): deleted as delivered, no receipt
+    assert r == {"action": 2, "queue": "q", "seq": 43, "code": 0, "msg_id": 1, "data": "hello",
+                 "deliveries": 1}
     assert c.request(action=2, queue="q") == {"action": 2, "queue": "q", "code": 0}
-    assert c.request(action=3, queue="q", msg_id=1)["code"] == 0
+    assert c.request(action=3, queue="q", msg_id=1) == {"action": 3, "queue": "q", "msg_id": 1,
+                                                        "code": 0, "found": False}
     mon = c.request(action=4, queue="q")
     assert mon["size"] == 0 and mon["max_id"] == 1 and mon["trans_id"] == 2
     assert mon["node_id"] == 1 and mon["leader_node_id"] == 1
@@ -117,8 +120,18 @@ BAD_REQUESTS = [
     (b'{"action":1,"queue":"bad","data":"x","delay":100,"ttl":50}', "time error"),
     (b'{"action":2}', "missing field: queue"),
     (b'{"action":3,"queue":"bad","msg_id":"x"}', "msg_id must be an integer"),
-    (b'{"action":5,"queue":"bad"}', "not support"),
+    (b'{"action":5,"queue":"bad","set":{"colour":1}}', "unknown setting: colour"),
+    (b'{"action":5,"queue":"bad","set":{"dead_letter":"bad"}}',
+     "bad value for dead_letter: a queue cannot be its own dead-letter queue"),
     (b'{"action":6,"queue":"bad"}', "not support"),
+    (b'{"action":2,"queue":"bad","count":0}', "count must be an integer from 1 to 1000"),
+    (b'{"action":2,"queue":"bad","wait":31}', "wait out of range"),  # max_wait 30 s
+    (b'{"action":2,"queue":"bad","lease":0}', "lease must be positive"),
+    (b'{"action":2,"queues":["bad","bad"]}', "queues names a queue twice"),
+    (b'{"action":3,"queue":"bad","msg_id":1,"receipt":"1.1.1"}', "stale receipt"),
+    (b'{"action":9,"queue":"bad","msg_id":1}', "not in flight"),
+    (b'{"action":10,"queue":"bad","msg_id":1,"lease":-1}', "lease must be positive"),
+    (b'{"action":11,"queue":"bad","msg_id":1}', "no such message"),
     (b'{"action":1,,}', "invalid json"),
 ]
 
@@ -265,3 +278,78 @@ def test_embedded_default_needs_no_config():
         finally:
             p.kill()
             p.wait()
+
+
+# -- consumer controls on a real node (issue 14) ----------------------------------
+
+
+def test_receipts_over_tcp(node):
+    c = TcpClient(node.port)
+    c.request(action=1, queue="r", data="job", retry=60)
+    got = c.request(action=2, queue="r", seq=1)
+    assert got["deliveries"] == 1 and got["receipt"].endswith(".1.1")
+    stale = c.request(action=3, queue="r", msg_id=1, receipt=got["receipt"][:-1] + "2")
+    assert (stale["code"], stale["reason"]) == (-1, "stale receipt")
+    nacked = c.request(action=9, queue="r", msg_id=1, receipt=got["receipt"])
+    assert nacked["code"] == 0 and nacked["ready_at"] > 1_600_000_000
+    again = c.request(action=2, queue="r")
+    assert again["deliveries"] == 2 and again["receipt"] != got["receipt"]
+    touched = c.request(action=10, queue="r", msg_id=1, receipt=again["receipt"], lease=120)
+    assert touched["code"] == 0 and touched["retry_at"] > nacked["ready_at"]
+    assert c.request(action=11, queue="r", msg_id=1)["message"]["nacks"] == 1
+    done = c.request(action=3, queue="r", msg_id=1, receipt=again["receipt"])
+    assert (done["code"], done["found"]) == (0, True)
+
+
+def _waiting(c: TcpClient, queue: str) -> int:
+    return c.request(action=4, queue=queue)["waiting"]
+
+
+def test_long_poll_over_tcp_is_woken_by_a_produce(node):
+    waiter = TcpClient(node.port)  # its read times out (10 s) long before the wait (30 s)
+    waiter.send_raw(json.dumps({"action": 2, "queue": "lp", "wait": 30, "seq": "w"}).encode())
+    other = TcpClient(node.port)
+    assert wait_until(lambda: _waiting(other, "lp") == 1)
+    # the waiting connection's client is not blocked for others
+    assert other.request(action=1, queue="lp", data="wake", seq="p")["seq"] == "p"
+    got = waiter.read()
+    assert (got["seq"], got["code"], got["msg_id"], got["data"]) == ("w", 0, 1, "wake")
+    assert _waiting(other, "lp") == 0
+    # the same connection goes on after its long poll
+    assert waiter.request(action=8)["code"] == 0
+
+
+def test_long_poll_over_udp(node):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(10)
+    try:
+        sock.sendto(json.dumps({"action": 2, "queue": "ulp", "wait": 30,
+                                "count": 2}).encode(), ("127.0.0.1", node.port))
+        other = TcpClient(node.port)
+        assert wait_until(lambda: _waiting(other, "ulp") == 1)
+        other.request(action=1, queue="ulp", data="for udp")
+        got = json.loads(sock.recvfrom(70000)[0])
+        assert got["messages"] == [{"queue": "ulp", "msg_id": 1, "data": "for udp",
+                                    "deliveries": 1}]
+    finally:
+        sock.close()
+
+
+def test_a_long_poll_whose_client_goes_takes_nothing(node):
+    waiter = TcpClient(node.port)
+    waiter.send_raw(json.dumps({"action": 2, "queue": "gone", "wait": 30}).encode())
+    other = TcpClient(node.port)
+    assert wait_until(lambda: _waiting(other, "gone") == 1)
+    waiter.close()
+    assert wait_until(lambda: _waiting(other, "gone") == 0)
+    other.request(action=1, queue="gone", data="keep me")  # at-most-once
+    assert other.request(action=4, queue="gone")["size"] == 1
+    assert other.request(action=2, queue="gone")["data"] == "keep me"
+
+
+def test_a_long_poll_times_out_with_the_empty_answer(node):
+    c = TcpClient(node.port)
+    started = time.monotonic()
+    resp = c.request(action=2, queue="idle", wait=0.3, seq=4)
+    assert resp == {"action": 2, "queue": "idle", "wait": 0.3, "seq": 4, "code": 0}
+    assert time.monotonic() - started >= 0.25  # it did wait (answered by the node's timer)
