@@ -246,3 +246,69 @@ def test_service_node_local_reads_and_writes_do_not_take_the_read_index():
     assert len(out) == 3 and engine.reads == []
     service.handle({"action": 1, "queue": "q", "data": "x"}, NOW, out.append)
     assert len(out) == 3 and engine.reads == [] and len(engine.writes) == 1
+
+
+def test_service_new_answers_that_append_no_entry_wait_for_the_read_index():
+    # Issue 14: show, peek, a config read, an empty consume in the new forms,
+    # `stale receipt`, `not in flight` and `no such message` rest on
+    # committed state only.
+    service, engine = _service()
+    out: list = []
+    service.handle({"action": 1, "queue": "q", "data": "x", "retry": 30}, NOW, out.append)
+    service.handle({"action": 2, "queue": "q"}, NOW, out.append)  # in flight now
+    for write in engine.writes:
+        write()
+    assert [r["code"] for r in out] == [0, 0] and out[1]["receipt"] == "1.1.1"
+    out.clear()
+    requests = [
+        ({"action": 2, "queue": "q", "count": 5, "seq": 1}, 0),  # empty: `messages: []`
+        ({"action": 2, "queues": ["q", "r"], "seq": 2}, 0),
+        ({"action": 11, "queue": "q", "msg_id": 1, "seq": 3}, 0),  # show
+        ({"action": 12, "queue": "q", "seq": 4}, 0),  # peek: nothing due
+        ({"action": 5, "queue": "q", "seq": 5}, 0),  # config read
+        ({"action": 3, "queue": "q", "msg_id": 1, "receipt": "1.1.9", "seq": 6}, -1),
+        ({"action": 9, "queue": "q", "msg_id": 1, "receipt": "1.1.9", "seq": 7}, -1),
+        ({"action": 10, "queue": "q", "msg_id": 1, "receipt": "9.1.1", "seq": 8}, -1),
+        ({"action": 9, "queue": "q", "msg_id": 2, "seq": 9}, -1),  # not in flight
+        ({"action": 10, "queue": "q", "msg_id": 2, "seq": 10}, -1),
+        ({"action": 11, "queue": "q", "msg_id": 2, "seq": 11}, -1),  # no such message
+    ]
+    for req, _code in requests:
+        service.handle(req, NOW + 1000, out.append)
+    assert out == [] and len(engine.reads) == len(requests)
+    log_length = engine.log.last_trans_id
+    for done in engine.reads:
+        done(None, None)
+    assert engine.log.last_trans_id == log_length  # nothing appended
+    assert [(r["seq"], r["code"]) for r in out] == [(req["seq"], code) for req, code in requests]
+    assert out[0]["messages"] == [] and "msg_id" not in out[1]
+    assert out[2]["message"]["state"] == "in_flight" and out[3]["messages"] == []
+    assert out[4]["config"] == {"max_deliveries": 0, "dead_letter": None}
+    assert [r["reason"] for r in out[5:]] == ["stale receipt"] * 3 + ["not in flight"] * 2 + [
+        "no such message"]
+
+
+def test_service_new_reads_that_lose_the_master_echo_the_request_not_the_read():
+    # As monitor's (above): an "outcome unknown" error carries the request's
+    # fields only, never what was read (a client must not act on it).
+    service, engine = _service()
+    out: list = []
+    service.handle({"action": 1, "queue": "q", "data": "x"}, NOW, out.append)
+    engine.writes.pop()()
+    out.clear()
+    requests = [
+        {"action": 11, "queue": "q", "msg_id": 1},  # show of a message that exists
+        {"action": 11, "queue": "q", "msg_id": 2},  # no such message
+        {"action": 12, "queue": "q"},  # peek
+        {"action": 5, "queue": "q"},  # config read
+        {"action": 9, "queue": "q", "msg_id": 1},  # not in flight
+        {"action": 3, "queue": "q", "msg_id": 1, "receipt": "1.1.1"},  # stale receipt
+        {"action": 3, "queue": "q", "msg_id": 7},  # unknown id
+        {"action": 2, "queue": "r", "count": 2},  # empty consume, list form
+    ]
+    for req in requests:
+        service.handle(dict(req), NOW, out.append)
+    assert out == [] and len(engine.reads) == len(requests)
+    for done in engine.reads:
+        done(None, OUTCOME_UNKNOWN)
+    assert out == [dict(req, code=-1, reason=OUTCOME_UNKNOWN) for req in requests]
