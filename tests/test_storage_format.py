@@ -190,6 +190,15 @@ def test_snapshot_round_trip(source):
         assert reload(fmt.decode_snapshot(iter(chunks))[2]) == store.to_wire()
 
 
+def test_snapshot_of_an_unknown_version_is_refused():
+    blob = bytearray(b"".join(fmt.encode_snapshot_chunks(1, 1, small_store().to_wire())))
+    assert blob[4] == 2
+    for version in (0, 3, 255):
+        blob[4] = version
+        with pytest.raises(ValueError, match=f"version {version} unknown"):
+            fmt.decode_snapshot(bytes(blob))
+
+
 def test_snapshot_of_empty_state():
     blob = b"".join(fmt.encode_snapshot_chunks(0, 0, []))
     assert fmt.decode_snapshot(blob) == (0, 0, [])
@@ -223,8 +232,8 @@ def test_snapshot_every_truncation_and_flipped_byte_is_refused():
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_snapshot_any_bytes_decode_or_value_error(junk):
-    header = struct.pack(">4sBQQ", b"QSNP", 1, 1, 1)
-    for buf in (junk, header + junk):
+    headers = [struct.pack(">4sBQQ", b"QSNP", version, 1, 1) for version in (1, 2)]
+    for buf in (junk, headers[0] + junk, headers[1] + junk):
         try:
             fmt.decode_snapshot(buf)
         except ValueError:
