@@ -2,8 +2,8 @@
 point 5): consume --count/--wait/--lease/--ack and several queues, confirm
 --receipt, nack, touch, show, peek and config, human and --json output, exit
 status. The output shapes are checked against a scripted node (FakeNode,
-from test_client_v2), the behaviour against a real one once the server
-implements issue 14. Commands run `main()` in process, as test_cli.py."""
+from test_client_v2), the behaviour against a real one. Commands run
+`main()` in process, as test_cli.py."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import time
 import pytest
 
 from qserver.cli import _setting, _when, main
-from qserver.client import Client
 from qserver.errors import InvalidArgument
 from test_client import start_node
-from test_client_v2 import DEADLINE_S, FakeNode, fake_node  # noqa: F401 (a fixture)
+from test_client_v2 import EARLY_S, fake_node  # noqa: F401 (fake_node: a fixture)
 
 # -- arguments (no server) ---------------------------------------------------------------
 
@@ -238,12 +237,7 @@ def node(tmp_path_factory):
 
 @pytest.fixture
 def qs(node, capsys):
-    """`qserver ARGS -s <node>` -> (exit status, stdout, stderr), on a node
-    that implements issue 14 (until the server side lands, these skip)."""
-    with Client([("127.0.0.1", node.port)], retry_for=DEADLINE_S) as c:
-        if c.request({"action": 11, "queue": "probe", "msg_id": 1}).get("reason") == \
-                "invalid action":
-            pytest.skip("the server does not implement issue 14 (show, action 11) yet")
+    """`qserver ARGS -s <node>` -> (exit status, stdout, stderr)."""
 
     def run(*args: str) -> tuple[int, str, str]:
         return _run(capsys, node.port, *args)
@@ -268,15 +262,15 @@ def test_a_worker_from_the_shell(qs):
         "retry_at"]
     assert retry_at > time.time() + 290
     assert "ready_at" in qjson(qs, "nack", "cv_q", "1", "--receipt", receipt)
-    # the delivery is over: its receipt is stale
-    assert qs("confirm", "cv_q", "1", "--receipt", receipt) == (
-        1, "", "qserver: StaleReceipt: stale receipt\n")
     assert qs("touch", "cv_q", "1") == (1, "", "qserver: NotInFlight: not in flight\n")
-    # delivered again, printed, then confirmed with its receipt
+    # delivered again, printed, then confirmed with its new receipt
     status, out, _ = qs("consume", "cv_q", "--count", "5", "--ack")
     assert out.splitlines()[0].split() == ["QUEUE", "MSG_ID", "DELIVERIES", "RECEIPT", "DATA"]
     assert out.splitlines()[1].split()[:3] == ["cv_q", "1", "2"]
     assert qjson(qs, "monitor", "cv_q")["size"] == 0
+    # the first delivery's receipt is stale: an error, exit 1
+    assert qs("confirm", "cv_q", "1", "--receipt", receipt) == (
+        1, "", "qserver: StaleReceipt: stale receipt\n")
     assert qs("show", "cv_q", "1") == (1, "", "qserver: no such message: msg_id 1 in cv_q\n")
 
 
@@ -284,7 +278,7 @@ def test_consume_waits_and_takes_from_several_queues(qs):
     start = time.monotonic()
     assert qs("consume", "cv_a", "cv_b", "--wait", "0.5") == (
         0, "no message ready in cv_a, cv_b\n", "")
-    assert time.monotonic() - start >= 0.5
+    assert time.monotonic() - start >= 0.5 - EARLY_S
     assert qjson(qs, "consume", "cv_a", "--count", "3", "--wait", "0.2") == []
     qs("produce", "cv_b", "bee")
     assert qs("consume", "cv_a", "cv_b", "--wait", "5") == (0, "msg_id 1 in cv_b: bee\n", "")
