@@ -114,6 +114,7 @@ class AsyncClient:
         self._seqs = itertools.count(1)
         self._lock = asyncio.Lock()  # the main lane: one exchange at a time
         self._idle_polls: list[_AsyncConnection] = []
+        self._poll_home: Address | None = None  # as Client._poll_home
         self._generation = 0  # as Client._generation
 
     async def __aenter__(self) -> AsyncClient:
@@ -309,13 +310,15 @@ class AsyncClient:
                 return await self._run(self._main, requests, window, stop_on_error, 0.0)
         lane = self._poll_lane()
         try:
-            return await self._run(lane, requests, window, stop_on_error, wait_s)
+            results = await self._run(lane, requests, window, stop_on_error, wait_s)
+            self._poll_home = lane.router.address
+            return results
         finally:
             self._end_poll(lane)
 
     def _poll_lane(self) -> _AsyncLane:
         """As `Client._poll_lane`."""
-        address = self._main.router.address
+        address = self._poll_home or self._main.router.address
         conns = self._idle_polls
         i = next((i for i, c in enumerate(conns) if c.address == address), None)
         conn = conns.pop(i) if i is not None else None

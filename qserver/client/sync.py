@@ -113,6 +113,10 @@ class Client:
         self._lock = threading.Lock()  # the main lane: one exchange at a time
         self._polls_lock = threading.Lock()  # _idle_polls and _generation
         self._idle_polls: list[_Connection] = []
+        # The node that answered the last long poll, where the next one
+        # starts (with forward_request="0", a slave's redirect is followed
+        # once, not by every long poll).
+        self._poll_home: Address | None = None
         # close() counts up: a long poll's connection opened before it is
         # closed when the poll ends, not kept.
         self._generation = 0
@@ -394,14 +398,17 @@ class Client:
                 return self._run(self._main, requests, window, stop_on_error, 0.0)
         lane = self._poll_lane()
         try:
-            return self._run(lane, requests, window, stop_on_error, wait_s)
+            results = self._run(lane, requests, window, stop_on_error, wait_s)
+            self._poll_home = lane.router.address
+            return results
         finally:
             self._end_poll(lane)
 
     def _poll_lane(self) -> _Lane:
-        """A lane for a long poll: an idle poll connection to the node of the
-        main lane if there is one, and a router that starts there."""
-        address = self._main.router.address
+        """A lane for a long poll: a router that starts where the last long
+        poll was answered (else at the main lane's node), and an idle poll
+        connection to that node if there is one."""
+        address = self._poll_home or self._main.router.address
         with self._polls_lock:
             conns = self._idle_polls
             i = next((i for i, c in enumerate(conns) if c.address == address), None)
