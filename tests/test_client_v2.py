@@ -769,13 +769,22 @@ def test_async_client_v2(node):
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    c.start_all()
-    yield c
-    c.stop_all()
+    clusters: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(tmp_path, **kw)
+        clusters.append(c)
+        c.start_all()
+        return c
+
+    yield make
+    for c in clusters:
+        c.stop_all()
 
 
-def test_long_poll_through_a_slave_and_across_the_loss_of_the_master(cluster):
+@pytest.mark.parametrize("engine", ["native", "raft"])
+def test_long_poll_through_a_slave_and_across_the_loss_of_the_master(cluster, engine):
+    cluster = cluster(engine=engine)
     m = cluster.wait_master()
     slave = next(i for i in range(1, 4) if i != m)
     hosts = [f"127.0.0.1:{cluster.port(i)}" for i in [slave] + [i for i in (1, 2, 3)
@@ -812,3 +821,26 @@ def test_long_poll_through_a_slave_and_across_the_loss_of_the_master(cluster):
     worker.join(DEADLINE_S)
     assert not worker.is_alive() and not errors, errors
     assert got == ["one", "two"]
+
+
+def test_long_polls_follow_a_redirect_once(cluster):
+    c = cluster(extra='<replication forward_request="0"/>\n')
+    m = c.wait_master()
+    slave = next(i for i in range(1, 4) if i != m)
+    master = ("127.0.0.1", c.port(m))
+    with Client([f"127.0.0.1:{c.port(slave)}"], retry_for=DEADLINE_S) as client, \
+            Client([master], retry_for=DEADLINE_S) as producer:
+        producer.produce("redir_poll", "first", retry=60)
+        it = client.messages("redir_poll", count=5)
+        assert next(it).data == "first"
+        # the slave redirected the long poll to the master, where the next
+        # one goes at once: it parks there
+        second = threading.Thread(target=lambda: got.append(next(it).data))
+        got: list[str] = []
+        second.start()
+        wait_until(lambda: producer.monitor("redir_poll").get("waiting") == 1, DEADLINE_S)
+        assert client._poll_home == master
+        producer.produce("redir_poll", "second", retry=60)
+        second.join(DEADLINE_S)
+        assert got == ["second"]
+        it.close()
