@@ -1010,3 +1010,12 @@ def test_apply_refuses_new_entries_that_do_not_fit_the_state(d):
     d.consume(NOW)
     with pytest.raises(InvariantError):  # a dead letter's id at or below max_id
         d.store.apply(DeadLetter("q", 1, FINAL_EXPIRED, (("dlq", 1),), NOW, NOW))
+
+
+def test_message_view_retry_at_is_0_once_the_lease_ran_out(d):
+    # spec14, show: "retry_at 0 when not in flight". A delivery whose lease
+    # ran out is deliverable again ("ready"), not in flight.
+    d.produce(NOW, retry=5)
+    d.consume(NOW)
+    view = d.view(1, NOW + 5000)
+    assert (view["state"], view["retry_at"]) == ("ready", 0)
