@@ -97,10 +97,12 @@ def test_the_timeout_is_per_request():
             short.append(answer)
             answered.set()
 
-        assert fwd.forward(1, {"action": 2}, on_short, timeout_s=0.05)
+        assert fwd.forward(1, {"action": 2, "seq": 7}, on_short, timeout_s=0.05)
         assert fwd.forward(1, {"action": 2}, default.append)
         await asyncio.wait_for(answered.wait(), 30)
-        assert short == [{"code": -1, "reason": "forward timeout; outcome unknown"}]
+        # A failure echoes the request (its seq), as every answer does.
+        assert short == [{"action": 2, "seq": 7, "code": -1,
+                          "reason": "forward timeout; outcome unknown"}]
         assert default == []  # FORWARD_TIMEOUT_S, far away
         assert FORWARD_TIMEOUT_S >= 1
         reply_to(fwd, net.sent[0][1], {"code": 0})  # too late: already answered
@@ -116,13 +118,14 @@ def test_a_broken_link_fails_only_the_requests_sent_over_it():
         fwd, _ = make(up=(1, 3))
         to_1: list[dict] = []
         to_3: list[dict] = []
-        assert fwd.forward(1, {"action": 1}, to_1.append)
-        assert fwd.forward(3, {"action": 1}, to_3.append)
+        assert fwd.forward(1, {"action": 1, "seq": 1, "data": "x"}, to_1.append)
+        assert fwd.forward(3, {"action": 1, "seq": 2}, to_3.append)
         fwd.link_down(1)
-        assert to_1 == [{"code": -1, "reason": "master unreachable; outcome unknown"}]
+        assert to_1 == [{"action": 1, "seq": 1, "code": -1,
+                         "reason": "master unreachable; outcome unknown"}]
         assert to_3 == [] and fwd.waiting == 1
         fwd.close()
-        assert to_3 == [{"code": -1, "reason": "node shutting down"}]
+        assert to_3 == [{"action": 1, "seq": 2, "code": -1, "reason": "node shutting down"}]
         assert fwd.waiting == 0
 
     run(main())

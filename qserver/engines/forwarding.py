@@ -27,6 +27,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from ..wire.codec import error_response
 from .base import FORWARD_TIMEOUT_S, Cancel, ForwardedHandler, Respond, Session
 from .messages import Forward, ForwardCancel, ForwardReply, message_to_wire
 from .peers import PeerNetwork
@@ -58,9 +59,10 @@ class Forwarder:
         self.node_id = node_id
         self.net = net
         self._vote_id = vote_id  # the engine's current epoch, stamped on each message
-        # request_id -> (respond, timeout timer, master's node id); an entry
-        # exists exactly while its client has not been answered.
-        self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int]] = {}
+        # request_id -> (respond, timeout timer, master's node id, the
+        # request); an entry exists exactly while its client has not been
+        # answered. A failure echoes the request, as every answer does.
+        self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int, dict]] = {}
         self._next_id = 1
         # (slave, its request_id) -> the session of a request served here
         # that may wait (a consume with `wait`), until it is answered
@@ -83,7 +85,7 @@ class Forwarder:
         timer = asyncio.get_running_loop().call_later(
             FORWARD_TIMEOUT_S if timeout_s is None else timeout_s,
             self._fail, request_id, TIMED_OUT)
-        self._pending[request_id] = (respond, timer, leader_id)
+        self._pending[request_id] = (respond, timer, leader_id, request)
 
         def cancel() -> None:
             pending = self._pending.pop(request_id, None)
@@ -130,7 +132,7 @@ class Forwarder:
     def link_down(self, peer_id: int) -> None:
         """The link to `peer_id` broke: the requests forwarded to it will not
         be answered."""
-        for request_id, (_, _, target) in list(self._pending.items()):
+        for request_id, (_, _, target, _) in list(self._pending.items()):
             if target == peer_id:
                 self._fail(request_id, MASTER_UNREACHABLE)
         for key in [key for key in self._served if key[0] == peer_id]:
@@ -154,4 +156,4 @@ class Forwarder:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending[1].cancel()
-            pending[0]({"code": -1, "reason": reason})
+            pending[0](error_response(reason, pending[3]))
