@@ -77,9 +77,10 @@ class Node:
                                         storage=self.storage, vote=vote)
         else:
             me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
-            # Receipts' epoch: the start time (see LocalEngine).
+            # Receipts' epoch: the start time in ms (see LocalEngine).
             self.engine = LocalEngine(store=self.store, log=self.log, me=me,
-                                      log_size=config.log_size, epoch=int(time.time()))
+                                      log_size=config.log_size,
+                                      epoch=time.time_ns() // 1_000_000)
         self.service = Service(config=config, store=self.store, engine=self.engine)
         handle = self.service.handle
         self.engine.handle_forwarded = lambda obj, t, respond, session: handle(

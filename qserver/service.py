@@ -55,14 +55,13 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from itertools import islice
 from typing import Any, cast
 
 from .config import Config
 from .engines.base import FORWARD_TIMEOUT_S, Engine, JsonObject, Respond, Role, Session
 from .errors import BadRequest
 from .state.entries import SETTINGS, Configure, Confirm, Consume, ConsumeMany, DeadLetter
-from .state.store import Store, message_view, receipt_text
+from .state.store import DELIVERIES, RETRY_MS, Store, message_view, receipt_text
 from .wire.codec import error_response
 from .wire.requests import (
     MAX_QUEUE_NAME,
@@ -276,8 +275,9 @@ class Service:
         if isinstance(consumed, str):
             return error_response(consumed, obj)
         obj["code"] = 0
-        msg_id, obj["data"], deliveries = self.engine.commit_now(consumed)
+        msg_id, data, deliveries = self.engine.commit_now(consumed)
         obj["msg_id"] = msg_id
+        obj["data"] = data
         obj["deliveries"] = deliveries
         retry_at_ms = consumed[2]
         if retry_at_ms:
@@ -517,11 +517,12 @@ class Service:
                       read_index: bool) -> None:
         """Nothing to deliver: code 0 without a message (`messages: []`
         with `count`), once the state it was read from is committed."""
+        request = dict(obj) if read_index else obj  # what an error echoes
         obj["code"] = 0
         if req.batch is not None:
             obj["messages"] = []
         if read_index:
-            self._after_read_index(obj, dict(obj), respond)
+            self._after_read_index(obj, request, respond)
         else:
             respond(obj)
 
@@ -532,9 +533,10 @@ class Service:
             return
         outcome = self.store.decide_confirm(req)
         if outcome is None:  # an unknown id: code 0, not an error (queue_server)
+            request = dict(obj)
             obj["code"] = 0
             obj["found"] = False
-            self._after_read_index(obj, dict(obj), respond)
+            self._after_read_index(obj, request, respond)
             return
         self._write(obj, outcome, respond, _found)
 
@@ -579,11 +581,15 @@ class Service:
             self._delivered_later(req.queue, outcome.retry_at_ms)
 
     def _config(self, obj: JsonObject, req: ConfigRequest, respond: Respond) -> None:
+        if req.queue in self.store.virtual_queues:
+            respond(error_response("virtual queue only takes produce", obj))
+            return
         if not req.settings:  # a read
             queue = self.store.get(req.queue)
+            request = dict(obj)
             obj["code"] = 0
             obj["config"] = queue.settings() if queue is not None else _default_settings()
-            self._after_read_index(obj, dict(obj), respond)
+            self._after_read_index(obj, request, respond)
             return
         outcome = self.store.decide_configure(req.queue, req.settings)
         if isinstance(outcome, str):
@@ -686,10 +692,12 @@ class Service:
             if not waiters or queue.next_due(now_ms) is None:
                 break
             waiter = next(iter(waiters.values()))
-            self._unpark(waiter)
             outcome = self._decide_consume(waiter.req, now_ms)
-            if outcome is None or isinstance(outcome, str):  # cannot be: it is due
-                self._answer_empty(waiter.obj, waiter.req, waiter.respond, read_index=True)
+            if outcome is None:  # what was due was moved out (max_deliveries): wait on
+                break
+            self._unpark(waiter)
+            if isinstance(outcome, str):  # the engine refused the move (a full disk)
+                waiter.respond(error_response(outcome, waiter.obj))
             else:
                 self._deliver(waiter.obj, waiter.req, outcome, waiter.respond)
         if name in self.waiting:
@@ -767,22 +775,30 @@ class Service:
         if msg is None:
             self._refuse_read(obj, "no such message", respond)
             return
+        request = dict(obj)
         obj["code"] = 0
         obj["message"] = message_view(req.msg_id, msg, now_ms)
-        self._after_read_index(obj, dict(obj), respond)
+        self._after_read_index(obj, request, respond)
 
     def _peek(self, obj: JsonObject, req: PeekRequest, now_ms: int, respond: Respond) -> None:
         queue = self.store.get(req.queue)
         messages: list[JsonObject] = []
         if queue is not None:
             held = queue.messages
-            for msg_id in islice(queue.due(now_ms), req.limit):
-                view = message_view(msg_id, held[msg_id], now_ms)
+            limit = queue.max_deliveries
+            for msg_id in queue.due(now_ms):
+                msg = held[msg_id]
+                if limit and msg[RETRY_MS] and len(msg) > 5 and msg[DELIVERIES] >= limit:
+                    continue  # over a lowered max_deliveries: a consume moves it out
+                view = message_view(msg_id, msg, now_ms)
                 view["queue"] = req.queue
                 messages.append(view)
+                if len(messages) == req.limit:
+                    break
+        request = dict(obj)
         obj["code"] = 0
         obj["messages"] = messages
-        self._after_read_index(obj, dict(obj), respond)
+        self._after_read_index(obj, request, respond)
 
     def _read(self, obj: JsonObject, local: bool, answer: ReadAnswer,
               req: MonitorRequest | ListRequest, now_ms: int, respond: Respond) -> None:

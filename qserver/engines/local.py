@@ -50,7 +50,7 @@ class LocalEngine:
         self.handle_forwarded: ForwardedHandler | None = None
         self.on_fatal: FatalHandler | None = None
         self.on_role_change: RoleHandler | None = None  # never called: the role never changes
-        # Receipts' epoch. The node passes its start time in seconds: a node
+        # Receipts' epoch. The node passes its start time in ms: a node
         # without storage starts empty and reuses msg_ids, and a receipt
         # from before a restart must not match a new delivery.
         self.epoch = epoch

@@ -219,7 +219,8 @@ def message_view(msg_id: int, msg: Message, now_ms: int) -> dict[str, Any]:
     view: dict[str, Any] = {
         "msg_id": msg_id, "state": state, "data": msg[DATA], "priority": DEFAULT_PRIORITY,
         "ready_at": msg[READY_MS] / 1000, "ttl": msg[TTL_MS] / 1000, "retry": msg[RETRY_MS] / 1000,
-        "retry_at": retry_at_ms / 1000, "deliveries": msg[DELIVERIES] if long else 0,
+        "retry_at": retry_at_ms / 1000 if state == "in_flight" else 0,
+        "deliveries": msg[DELIVERIES] if long else 0,
         "nacks": msg[NACKS] if long else 0}
     if len(msg) == _DEAD_LETTER:
         view.update(origin_queue=msg[ORIGIN_QUEUE], origin_msg_id=msg[ORIGIN_MSG_ID],
