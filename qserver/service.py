@@ -79,6 +79,7 @@ from .wire.requests import (
     ShowRequest,
     TouchRequest,
     UnsupportedRequest,
+    parse_receipt,
     parse_request,
 )
 
@@ -289,9 +290,22 @@ class Service:
     def _confirm_now(self, obj: JsonObject, queue: str) -> JsonObject | None:
         get = obj.get
         msg_id = get("msg_id")
-        if type(msg_id) is not int or msg_id < 1 or get("receipt") is not None:
+        if type(msg_id) is not int or msg_id < 1:
             return None
-        confirmed = self.store.decide_confirm_values(queue, msg_id)
+        store = self.store
+        receipt = get("receipt")
+        if receipt is not None:
+            # A worker's confirm of its delivery: parsed as parse_request
+            # would (anything unusual takes the general path, which words
+            # the reason), checked as Service._confirm does.
+            if type(receipt) is not str or queue in store.virtual_queues:
+                return None
+            parsed = parse_receipt(receipt)
+            if parsed is None:
+                return None
+            if not store.check_receipt(queue, msg_id, parsed):
+                return error_response("stale receipt", obj)
+        confirmed = store.decide_confirm_values(queue, msg_id)
         if confirmed is not None:
             if isinstance(confirmed, str):
                 return error_response(confirmed, obj)

@@ -20,11 +20,16 @@ NOW = 1_700_000_000_000
 _times = st.one_of(st.none(), st.integers(-5, 2_000_000_000), st.floats(0, 100),
                    st.booleans(), st.just("10"))
 _request = st.fixed_dictionaries(
-    {"action": st.sampled_from([1, 1, 1, 2, 2, 3, 3, 4, 7, True, "1"])},
+    {"action": st.sampled_from([1, 1, 1, 2, 2, 3, 3, 3, 4, 7, True, "1"])},
     optional={"queue": st.sampled_from(["a", "b", "v", "", 5, "x" * 300]),
               "data": st.one_of(st.text(max_size=5), st.integers()),
               "delay": _times, "ttl": _times, "retry": _times,
               "msg_id": st.one_of(st.integers(-1, 12), st.just("3"), st.booleans()),
+              # both services' receipts have epoch 1: some of these match
+              "receipt": st.sampled_from(["1.1.1", "1.2.1", "1.1.2", "2.1.1", "1.1", "",
+                                          "x", "1.1.1.1", 7, None, "9" * 70]),
+              "count": st.sampled_from([1, 2, 0, "2"]),
+              "lease": st.sampled_from([1, 0.5, 0, -1]),
               "seq": st.integers()})
 
 
@@ -60,3 +65,20 @@ def test_fast_path_is_taken_for_the_usual_shape():
     assert s.answer_now({"action": 1, "queue": "a", "data": "x", "delay": 0, "ttl": 60,
                          "retry": 0}, NOW) is not None
     assert s.answer_now({"action": 4, "queue": "a"}, NOW) is None
+
+
+def test_a_confirm_with_a_receipt_takes_the_fast_path():
+    """A worker confirming its delivery is the usual at-least-once shape."""
+    s = _service()
+    s.answer_now({"action": 1, "queue": "a", "data": "x", "retry": 30}, NOW)
+    delivery = s.answer_now({"action": 2, "queue": "a"}, NOW)
+    assert delivery is not None and delivery["receipt"] == "1.1.1"
+    stale = s.answer_now({"action": 3, "queue": "a", "msg_id": 1, "receipt": "1.1.2"}, NOW)
+    assert stale == {"action": 3, "queue": "a", "msg_id": 1, "receipt": "1.1.2", "code": -1,
+                     "reason": "stale receipt"}
+    assert len(s.store.get("a")) == 1
+    done = s.answer_now({"action": 3, "queue": "a", "msg_id": 1, "receipt": "1.1.1"}, NOW)
+    assert done is not None and done["code"] == 0 and done["found"] is True
+    assert len(s.store.get("a")) == 0
+    # a receipt that is not one of ours: the general path words it
+    assert s.answer_now({"action": 3, "queue": "a", "msg_id": 1, "receipt": 5}, NOW) is None

@@ -51,6 +51,7 @@ __all__ = [
     "MAX_DELIVERIES",
     "MAX_QUEUES",
     "Receipt",
+    "parse_receipt",
 ]
 
 
@@ -319,9 +320,17 @@ def _receipt(obj: dict[str, Any]) -> Receipt | None:
         raise BadRequest("receipt must be a string")
     if not 0 < len(value) <= MAX_RECEIPT:
         raise BadRequest(f"receipt must be 1 to {MAX_RECEIPT} characters")
-    parts = value.split(".")
+    return parse_receipt(value) or _NO_RECEIPT
+
+
+def parse_receipt(text: str) -> Receipt | None:
+    """A receipt string as (epoch, msg_id, deliveries); None when it is not
+    one of ours (over MAX_RECEIPT characters, or not three integers)."""
+    if len(text) > MAX_RECEIPT:
+        return None
+    parts = text.split(".")
     if len(parts) != 3 or not all(p.isascii() and p.isdigit() and len(p) < 20 for p in parts):
-        return _NO_RECEIPT
+        return None
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
