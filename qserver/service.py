@@ -680,6 +680,13 @@ class Service:
                     del self.waiting[name]
         if waiter.session is not None:
             waiter.session.discard(waiter.session_key)
+        timeouts = self._timeouts
+        if len(timeouts) > 2 * len(self._waiters) + 64:
+            # Served and dropped waiters leave their deadlines behind; many
+            # short long polls would pile them up for `wait` seconds each.
+            # Rebuilt from the parked ones when most are stale: amortised O(1).
+            self._timeouts = [(w.deadline_ms, w.key) for w in self._waiters.values()]
+            heapq.heapify(self._timeouts)
 
     def _drop(self, key: int) -> None:
         """The client of a parked consume went: forget it, answer nothing."""
@@ -737,12 +744,11 @@ class Service:
         """The node's timer: answer parked consumes whose wait ended, serve
         those whose queues have something due, move out final deliveries
         whose lease ran out (master only), and arm the next timer."""
-        timeouts = self._timeouts
-        while timeouts and timeouts[0][0] <= now_ms:
-            _deadline, key = heapq.heappop(timeouts)
+        while self._timeouts and self._timeouts[0][0] <= now_ms:
+            _deadline, key = heapq.heappop(self._timeouts)
             waiter = self._waiters.get(key)
             if waiter is not None:
-                self._unpark(waiter)
+                self._unpark(waiter)  # (may rebuild self._timeouts)
                 self._answer_empty(waiter.obj, waiter.req, waiter.respond, read_index=True)
         if self.engine.is_master:
             for name in list(self.waiting):
@@ -759,8 +765,8 @@ class Service:
                     break
             if final_ms is not None:
                 self._arm(final_ms)
-        if timeouts:
-            self._arm(timeouts[0][0])
+        if self._timeouts:
+            self._arm(self._timeouts[0][0])
 
     def role_changed(self, master: bool) -> None:
         """The engine's role changed: a new master moves out final leases

@@ -735,3 +735,14 @@ def test_a_parked_consume_is_served_by_a_produce_into_a_virtual_queue():
     node.produce("v", "fan")
     assert [(a["msg_id"], a["data"]) for a in on_b] == [(1, "fan")]
     assert len(node.store.get("a")) == 1 and len(node.store.get("b")) == 0
+
+
+def test_deadlines_of_served_long_polls_do_not_pile_up(node):
+    # Each served long poll leaves its deadline in the timer heap until it
+    # passes; many short-lived long polls must not hold thousands of them.
+    for i in range(1000):
+        answers = node.park({"action": 2, "queue": "q", "wait": 30})
+        node.produce(data=f"m{i}")
+        assert [a["data"] for a in answers] == [f"m{i}"]
+    assert node.service.parked == 0
+    assert len(node.service._timeouts) <= 64
