@@ -1,9 +1,13 @@
 """Randomized schedules on the simulated network (tests/sim.py).
 
 Each schedule is one seed: a 3- or 5-node cluster in quorum or async mode,
-2-5 s of virtual time of random client requests (produce, consume,
-confirm, sent to any node, forwarded to the master, retried on a timeout,
-an "outcome unknown" or "no leader", on the same node or another) and
+2-5 s of virtual time of random client requests (produce; consume, now
+and then with count, from two queues or with a lease; confirm, nack and
+touch, with or without a receipt, stale ones too; config of
+max_deliveries and dead_letter; sent to any node, forwarded to the master,
+retried on a timeout, an "outcome unknown" or "no leader", on the same
+node or another; the master moves out final deliveries whose lease ran
+out) and
 random faults (message loss up to 50%, delays up to 400 ms that reorder
 messages, one-way link cuts, partitions, isolated masters, paused nodes,
 crashes and restarts, now and then of every node at once), then every
@@ -17,7 +21,10 @@ loop, a crash losing what it had not fsynced); the others the sim's own
 design.md are checked after every delivered message, timer and event;
 invariants 6 and 7 on every answer a client accepted, against the
 committed history (what async mode does not promise is checked in quorum
-mode only).
+mode only), and on every entry as it commits: a receipt confirms only the
+delivery it names, `deliveries` never exceeds max_deliveries, deliveries
+and leases keep their times, retry=0 messages are delivered once, across
+failovers (sim.Workload).
 
 The default run covers 3,200 schedules (80-95 s on a 2-core machine).
 QSERVER_SIM_SEEDS=N runs N seeds for each of the four configurations

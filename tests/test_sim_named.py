@@ -15,6 +15,9 @@ import sim
 from qserver.engines.messages import Pull, Push, Snapshot, VoteReply, VoteRequest, message_from_wire
 from qserver.engines.native import core as native
 from qserver.engines.native.core import Role, Timing
+from qserver.state import store as sim_store
+from qserver.state.entries import FINAL_MAX_DELIVERIES, DeadLetter
+from qserver.state.store import message_view
 from qserver.wire.requests import ConsumeRequest, ProduceRequest
 from sim import Network, Workload, message_data, run_schedule
 
@@ -41,7 +44,9 @@ def produce(net: Network, node: int, queue: str, data: str, results: list,
 
 
 def consume(net: Network, node: int, queue: str, results: list) -> bool:
-    entry = net.core(node).store.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), net.now, 1)
+    core = net.core(node)
+    entry = core.store.decide_consume(ConsumeRequest((queue,), None, 0, 0, False), net.now,
+                                      core.vote_id)
     if entry is None:
         return False
     net.propose(node, entry, results)
@@ -887,3 +892,199 @@ def test_stale_master_elected_late_need_not_hold_entries_a_later_master_committe
     assert net.run_until(lambda: net.core(b).role is not Role.MASTER, E)
     m = settle(net)
     assert m == a and {f"only-on-a{k}" for k in range(4)} <= log_data(net, b)
+
+
+# -- receipts, nack, touch, max_deliveries and dead letters (issue 14) -------------
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("seed", range(3))
+def test_receipt_of_a_delivery_that_a_failover_undid_is_refused(n, seed):
+    """Async mode: master A answers a consume at once, before any slave
+    has the delivery, and dies. The new master B delivers the message
+    again: its first delivery once more (deliveries=1), as A's was. Only
+    the epoch in the receipt (the vote_id of the master that decided the
+    delivery) tells the two apart: the first consumer's confirm, nack and
+    touch with A's receipt are refused ("stale receipt"), never applied to
+    the second consumer's delivery, and the second consumer's confirm
+    with its own receipt goes through."""
+    net = Network(n, seed, async_mode=True)
+    work = Workload(net, random.Random(seed), strict=False, at_master=True, max_attempts=1,
+                    timeout_ms=2_000)
+    a = elect(net)
+    data = work.produce("q", retry_s=1, delay_s=None, ttl_s=None)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None, 2_000)
+    settle(net)
+    key = ("q", work.produced[data].targets[0][1])
+    net.isolate(a)
+    first = work.consume("q", node=a)
+    assert net.run_until(lambda: first.finished, 1_000) and first.acked is not None
+    [d1] = work.deliveries[key]
+    assert d1.receipt == (net.core(a).vote_id, key[1], 1)
+    net.crash(a, drop_outgoing=True)
+    b = elect(net, a)
+    second = work.consume("q", node=b)
+    assert net.run_until(lambda: second.finished, 1_000) and second.acked is not None
+    d2 = work.deliveries[key][-1]
+    assert d2 is not d1 and d2.deliveries == 1 and d2.receipt == (net.core(b).vote_id, key[1], 1)
+    stale = [work.confirm(key, node=b, receipt=d1), work.nack(key, node=b, receipt=d1),
+             work.touch(key, node=b, receipt=d1, lease_ms=5_000)]
+    assert net.run_until(lambda: all(r.finished for r in stale), 1_000)
+    assert [r.outcomes for r in stale] == [["stale receipt"]] * 3
+    assert net.core(b).store.get("q").messages[key[1]][sim_store.RETRY_AT_MS] == d2.retry_at_ms
+    confirm = work.confirm(key, node=b, receipt=d2)
+    assert net.run_until(lambda: confirm.finished, 1_000) and confirm.outcomes == ["ok"]
+    net.heal()
+    net.start(a)
+    for _ in range(5):
+        work.consume("q")
+        net.run_for(300)
+    m = settle(net)
+    assert len(work.deliveries[key]) == 2
+    assert key[1] not in net.core(m).store.get("q").messages
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(3))
+def test_late_confirm_after_a_redelivery_by_a_new_master_is_refused(seed, production):
+    """Consumer 1 takes a message (retry 0.2 s) from master A and overruns
+    its lease; A dies; consumer 2 takes the redelivery from the new master
+    B. Consumer 1's late confirm, nack and touch with its receipt get
+    "stale receipt" (the confirm would otherwise delete consumer 2's job);
+    consumer 2's confirm with its receipt is found; the message is never
+    delivered again. The Checker holds each answer against the committed
+    history: the refusals were read from a state in which consumer 1's
+    delivery was no longer current, the confirm from one in which consumer
+    2's was."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=10, timeout_ms=300)
+    a = elect(net)
+    data = work.produce("q", retry_s=0.2, delay_s=None, ttl_s=None)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None, 2_000)
+    first = work.consume("q")
+    assert net.run_until(lambda: first.acked is not None, 2_000)
+    key = ("q", work.produced[data].targets[0][1])
+    [d1] = work.deliveries[key]
+    settle(net)
+    net.run_for(250)  # consumer 1 overruns its lease
+    net.crash(a, drop_outgoing=True)
+    b = elect(net, a)
+    second = work.consume("q", node=b)
+    assert net.run_until(lambda: second.acked is not None, 2_000)
+    d2 = work.deliveries[key][-1]
+    assert d2.deliveries == 2 and d2.receipt == (net.core(b).vote_id, key[1], 2)
+    stale = [work.confirm(key, receipt=d1), work.nack(key, receipt=d1),
+             work.touch(key, receipt=d1, lease_ms=5_000)]
+    assert net.run_until(lambda: all(r.acked is not None for r in stale), 3_000)
+    assert [r.outcomes[-1] for r in stale] == ["stale receipt"] * 3
+    confirm = work.confirm(key, receipt=d2)
+    assert net.run_until(lambda: confirm.acked is not None, 3_000)
+    assert confirm.outcomes[-1] == "ok" and confirm.acked.entry is not None
+    net.start(a)
+    for _ in range(5):
+        work.consume("q")
+        net.run_for(300)
+    m = settle(net)
+    assert len(work.deliveries[key]) == 2
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(3))
+def test_confirm_with_receipt_retried_on_a_cut_off_master_is_not_refused(seed, production):
+    """Issue 12's scenario with a receipt: master M, cut off, appends the
+    client's confirm and applies it (the message is gone from its store)
+    but cannot commit it. The client's retry reaches M, which now finds no
+    delivery for the receipt: "stale receipt", an answer that appends no
+    entry. M must not send it: the committed history still has the
+    delivery current (the new master knows nothing of the confirm), and a
+    consumer told "stale receipt" would believe someone else had the job.
+    The client retries on, the new master commits the confirm, and the
+    message is never delivered again."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=30, timeout_ms=60,
+                    backoff_ms=(40, 40), same_node_rate=1.0)
+    m = elect(net)
+    data = work.produce("q", retry_s=1, delay_s=None, ttl_s=None)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None, 2_000)
+    consume_req = work.consume("q")
+    assert net.run_until(lambda: consume_req.acked is not None, 2_000)
+    key = ("q", work.produced[data].targets[0][1])
+    [d] = work.deliveries[key]
+    settle(net)
+
+    net.isolate(m)
+    confirm = work.confirm(key, node=m, receipt=d)
+    assert key[1] not in net.core(m).store.get("q").messages
+    assert net.run_until(lambda: (m, "read") in confirm.executed, E)
+    m2 = elect(net, m)
+    assert net.run_until(lambda: confirm.finished, 10_000)
+    assert confirm.acked is not None and confirm.acked.target == m2
+    assert confirm.acked.entry is not None and confirm.outcomes[-1] == "ok"
+    assert "stale receipt" not in confirm.outcomes  # M's answers never went out
+    net.heal()
+    for _ in range(10):
+        work.consume("q", node=m2)
+        net.run_for(150)
+    m = settle(net)
+    assert len(work.deliveries[key]) == 1
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("old_master", ["crashes", "is-cut-off"])
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(3))
+def test_last_delivery_moves_to_the_dead_letter_queue_once_across_a_failover(seed, production,
+                                                                            old_master):
+    """Queue q has max_deliveries 2 and dead_letter dl. A message's second
+    delivery is its last (final); its master fails during that lease
+    (crashes, or is cut off: then its own expiry tick moves the message
+    out, an entry that never commits). The new master, once the lease has
+    run out, moves it to dl (its expiry tick is armed when it becomes
+    master): exactly one committed move, by the new master; the message is
+    never delivered a third time from q, and dl holds one copy, with its
+    origin, which a consumer of dl gets."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=10, timeout_ms=300)
+    m = elect(net)
+    configure = work.configure("q", {"max_deliveries": 2, "dead_letter": "dl"})
+    data = work.produce("q", retry_s=0.2, delay_s=None, ttl_s=None)
+    assert net.run_until(lambda: work.produced[data].acked_at is not None
+                         and configure.acked is not None, 2_000)
+    key = ("q", work.produced[data].targets[0][1])
+    first = work.consume("q")
+    assert net.run_until(lambda: first.acked is not None, 2_000)
+    net.run_for(250)  # its lease runs out
+    lease_ms = 1_000 if old_master == "crashes" else 100
+    second = work.consume("q", lease_ms=lease_ms)
+    assert net.run_until(lambda: second.acked is not None, 2_000)
+    d2 = work.deliveries[key][-1]
+    assert d2.deliveries == 2 and d2.final == FINAL_MAX_DELIVERIES
+    if old_master == "crashes":
+        net.crash(m, drop_outgoing=True)
+    else:
+        net.isolate(m)
+        assert net.run_until(lambda: any(type(r.entry) is DeadLetter
+                                         for r in net.core(m).log.records), E)
+    m2 = elect(net, m)
+    for _ in range(6):
+        work.consume("q", node=m2)
+        net.run_for(100)
+    assert net.run_until(lambda: key[1] not in net.core(m2).store.get("q").messages, 2_000)
+    net.heal()
+    if old_master == "crashes":
+        net.start(m)
+    m = settle(net)
+    moves = [r for r in net.checker.committed if type(r.entry) is DeadLetter]
+    assert [r.entry.targets for r in moves] == [(("dl", 1),)]
+    assert moves[0].vote_id == net.core(m2).vote_id and moves[0].entry.msg_id == key[1]
+    copy = net.core(m).store.get("dl").messages[1]
+    view = message_view(1, copy, net.now)
+    assert (view["data"], view["origin_queue"], view["origin_msg_id"],
+            view["dead_letter_reason"]) == (data, "q", key[1], "max_deliveries")
+    dl = work.consume("dl")
+    assert net.run_until(lambda: dl.acked is not None, 2_000)
+    assert [d.data for d in work.deliveries[("dl", 1)]] == [data]
+    assert [d.deliveries for d in work.deliveries[key]] == [1, 2]
+    m = settle(net)
+    work.final_check(m)
