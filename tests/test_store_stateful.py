@@ -30,10 +30,8 @@ entry commits; a `revert` rule takes back the newest few entries, newest
 first (a deposed master rolling back its uncommitted tail), and the store
 must be exactly as it was before them.
 
-Where the model and the store disagree and the store is wrong, the machine
-steps around the case behind a flag (FINAL_LEASE_RAN_OUT_IS_IN_FLIGHT) and
-a strict xfail test shows it, until the store is fixed. `run_steps` tests
-run the machine through chosen rules, for paths random runs reach rarely.
+`run_steps` tests run the machine through chosen rules, for paths random
+runs reach rarely.
 
 Deterministic by default (CI): `derandomize`. QSERVER_STATEFUL_EXAMPLES=N
 runs N random examples instead, to look further.
@@ -44,7 +42,6 @@ from __future__ import annotations
 import copy
 import os
 
-import pytest
 from hypothesis import HealthCheck, currently_in_test_context, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
@@ -434,13 +431,6 @@ target_spec = st.tuples(st.sampled_from(["running", "running", "ran_out", "in_fl
 # for that message, a string that is no receipt, or a forged neighbour.
 receipt_spec = st.sampled_from(["none", "none", "current", "current", "current", "old", "garbage",
                                "forged"])
-# A known store bug (see the strict xfail test at the end): while this is
-# True the machine steps around it; fixing the store makes that test pass,
-# which fails the run until the flag goes. A final delivery whose lease
-# ran out, before the master's timer moved it out: the store still takes
-# nack (moves it) and touch (extends its lease: it stays for another one)
-# where the contract says `not in flight`.
-FINAL_LEASE_RAN_OUT_IS_IN_FLIGHT = True
 
 CONSUMED = REAL * 3 + (DLQ, DLQ) + tuple(VIRTUAL) + (UNKNOWN,)
 DEAD_LETTER_NAMES = ("", DLQ, DLQ, DLQ, "alpha", "beta", "gamma", "fan", "fan")
@@ -676,17 +666,6 @@ class StoreMachine(RuleBasedStateMachine):
         return "current receipt" if self.model.receipt_is_current(queue, msg_id, receipt) \
             else "stale receipt"
 
-    def _final_lease_ran_out(self, queue, msg_id, receipt, action):
-        """Whether a nack or touch would meet FINAL_LEASE_RAN_OUT_IS_IN_FLIGHT
-        (then the rule does nothing)."""
-        m = self.model.message(queue, msg_id)
-        if (FINAL_LEASE_RAN_OUT_IS_IN_FLIGHT and m is not None and m.final
-                and m.lease_end <= self.now
-                and (receipt is None or self.model.receipt_is_current(queue, msg_id, receipt))):
-            event(f"{action}: final lease ran out (known store bug, skipped)")
-            return True
-        return False
-
     @rule(which=target_spec, receipt=receipt_spec)
     def confirm(self, which, receipt):
         queue, msg_id = self._target(which)
@@ -723,8 +702,6 @@ class StoreMachine(RuleBasedStateMachine):
         parsed = self._receipt(queue, msg_id, receipt, which[1])
         kind = self._kind_of_receipt(queue, msg_id, parsed)
         ready = to_ms(self._resolve(delay), self.now)
-        if self._final_lease_ran_out(queue, msg_id, parsed, "nack"):
-            return
         out, snapshot = self._decide(
             lambda: self.store.decide_nack(queue, msg_id, parsed, ready, self.now))
         expected = self.model.nack(queue, msg_id, parsed, ready, self.now)
@@ -747,8 +724,6 @@ class StoreMachine(RuleBasedStateMachine):
         queue, msg_id = self._target(which)
         parsed = self._receipt(queue, msg_id, receipt, which[1])
         kind = self._kind_of_receipt(queue, msg_id, parsed)
-        if self._final_lease_ran_out(queue, msg_id, parsed, "touch"):
-            return
         out, snapshot = self._decide(
             lambda: self.store.decide_touch(queue, msg_id, parsed, lease, self.now))
         was_final = (m := self.model.message(queue, msg_id)) is not None and m.final
@@ -944,8 +919,6 @@ def test_a_batch_ends_before_a_message_to_move_out():
     assert machine.model.queues["alpha"].dead_lettered == 1
 
 
-@pytest.mark.xfail(strict=True, reason="store bug: Store._in_flight treats a final delivery "
-                   "whose lease ran out as in flight (FINAL_LEASE_RAN_OUT_IS_IN_FLIGHT)")
 def test_a_final_delivery_whose_lease_ran_out_is_not_in_flight():
     """spec14 (nack, touch): `not in flight` when the lease ran out; the
     README: both need the message "delivered, unconfirmed, its lease

@@ -779,8 +779,10 @@ class Store:
         if q is None or msg is None or not msg[RETRY_AT_MS]:
             return "not in flight"
         msg = _long(msg)
-        if msg[RETRY_AT_MS] <= now_ms and not msg[FINAL]:
-            return "not in flight"  # its lease ran out: it is deliverable again
+        if msg[RETRY_AT_MS] <= now_ms:
+            # Its lease ran out: it is deliverable again, or (a final
+            # delivery) about to leave the queue when the master's timer runs.
+            return "not in flight"
         return q, msg
 
     def decide_nack(self, queue: str, msg_id: int, receipt: Receipt | None, ready_ms: int,
