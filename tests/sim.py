@@ -1233,9 +1233,10 @@ class _Msg(NamedTuple):
         return (self.epoch, msg_id, self.deliveries) if self.epoch else None
 
     def in_flight(self, now_ms: int) -> bool:
-        """Delivered, unconfirmed, and its lease running (a final one is in
-        flight until the master moves it out)."""
-        return bool(self.retry_at_ms) and (bool(self.final) or self.retry_at_ms > now_ms)
+        """Delivered, unconfirmed, and its lease running: what nack and
+        touch act on (a final delivery whose lease ran out is not, though it
+        stays until the master moves it out)."""
+        return bool(self.retry_at_ms) and self.retry_at_ms > now_ms
 
 
 @dataclass(slots=True)
