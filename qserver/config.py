@@ -12,9 +12,16 @@ XML elements (design.md section 4; cluster.xml.example documents each):
     <queue_config queue_size="..." log_size="..." sync_rate="..."/>
     <cluster secret="..."><node id="1" host="127.0.0.1" port="1101"/>...</cluster>
     <virtual_queue name="v"><queue name="a"/><queue name="b"/></virtual_queue>
+    <queue name="a" max_size="..." max_deliveries="..." dead_letter="..." dedup_window="..."/>
     <replication engine="native|raft" mode="quorum|async" forward_request="1|0"/>
     <storage dir="PATH" fsync="always|batch|off"/>
     <limits max_request_size="BYTES" max_wait="SECONDS"/>
+
+A top-level `<queue>` (repeatable; not the `<queue>` members inside a
+`<virtual_queue>`) gives one real queue static defaults of its settings;
+a value set at run time with config (5) wins over them. Only the attributes
+given are kept (`Config.queue_defaults`), so an absent one stays the node's
+default.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from .errors import ConfigError
-from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
-from .wire.requests import MAX_QUEUE_NAME
+from .wire.codec import MAX_UDP_PAYLOAD
+from .wire.requests import MAX_DELIVERIES, MAX_QUEUE_NAME
 
 __all__ = [
     "Config",
@@ -50,6 +58,13 @@ DEFAULT_SYNC_RATE = 3_000
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1111
 
+# The default <limits max_request_size>: 1 MiB, so that a batch produce of
+# 1,000 messages (protocol-v2's largest batch) fits in one request. UDP stays
+# bounded by the datagram (Config.max_udp_request_size). This is the node's
+# default; wire.codec's constant of the same name is only the decoder's own
+# fallback when it is given no limit.
+DEFAULT_MAX_REQUEST_SIZE = 1024 * 1024
+
 # Smallest useful request limit: room for a request with a little data.
 MIN_REQUEST_SIZE = 256
 # Largest: 64 MiB keeps one client from making the node allocate gigabytes.
@@ -61,6 +76,13 @@ DEFAULT_MAX_WAIT_S = 30
 # ...and at most this, whatever the configuration says: a parked consume
 # holds a connection and a slave's forward; an hour is plenty.
 MAX_WAIT_S = 3600
+
+# <queue max_size>: the same bound as <queue_config queue_size> (a count of
+# messages, far beyond what memory holds, only to keep the number sane).
+MAX_QUEUE_MAX_SIZE = 2**40
+# <queue dedup_window>: seconds, at most 7 days, as config (5) allows (a
+# longer window would keep every dedup id of a busy queue for too long).
+MAX_DEDUP_WINDOW_S = 604_800
 
 
 class Engine(enum.Enum):
@@ -121,6 +143,10 @@ class Config:
     peers: tuple[PeerConfig, ...] = ()  # every cluster node, this one included
     secret: str | None = None
     virtual_queues: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Top-level <queue> elements: real queue name -> only the settings given,
+    # among max_size (int >= 1), max_deliveries (int), dead_letter (str) and
+    # dedup_window_ms (int). Never names a virtual queue.
+    queue_defaults: dict[str, dict[str, object]] = field(default_factory=dict)
     engine: Engine = Engine.NATIVE
     mode: Mode = Mode.QUORUM
     forward_request: bool = True
@@ -155,6 +181,9 @@ def log_level(value: str) -> int | None:
     if value.isascii() and value.isdigit():  # int() refuses some isdigit() text ("\u00b2")
         return _NUMERIC_LEVELS.get(int(value))
     return _NAMED_LEVELS.get(value)
+
+
+_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
 class _Reader:
@@ -221,6 +250,24 @@ class _Reader:
             raise self.error(f"{name}={value} out of range {lo}..{hi}")
         return value
 
+    def milliseconds(self, name: str, *, hi_s: int) -> int | None:
+        """An optional number of seconds (0..hi_s, a decimal allowed), in ms
+        (rounded); None when absent."""
+        raw = self.attrs.get(name)
+        if raw is None:
+            return None
+        if isinstance(raw, bool):
+            raise self.error(f"{name}={raw!r} is not a number of seconds")
+        text = str(raw).strip()
+        # Plain decimals only: float() would also take "nan", "inf", "1e3"
+        # and "1_0", none of which an operator means as a window.
+        if not _SECONDS.fullmatch(text.removeprefix("-")):
+            raise self.error(f"{name}={raw!r} is not a number of seconds")
+        seconds = float(text)
+        if not 0 <= seconds <= hi_s:
+            raise self.error(f"{name}={text} out of range 0..{hi_s} seconds")
+        return round(seconds * 1000)
+
     def choice(self, name: str, enum_type: type[enum.Enum], default: enum.Enum) -> enum.Enum:
         raw = self.attrs.get(name)
         if raw is None:
@@ -273,16 +320,17 @@ class _Reader:
         return host, number
 
 
-def _queue_name(r: _Reader, name: str | None) -> str:
+def _queue_name(r: _Reader, name: str | None, what: str = "queue name") -> str:
     if not name:
-        raise r.error("queue name must not be empty")
+        raise r.error(f"{what} must not be empty")
     if len(name) > MAX_QUEUE_NAME:
-        raise r.error(f"queue name longer than {MAX_QUEUE_NAME} characters")
+        raise r.error(f"{what} longer than {MAX_QUEUE_NAME} characters")
     return name
 
 
 def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
-           nodes: list[_Reader], virtual: list[tuple[_Reader, list[_Reader]]]) -> Config:
+           nodes: list[_Reader], virtual: list[tuple[_Reader, list[_Reader]]],
+           queues: list[_Reader]) -> Config:
     kw: dict[str, Any] = {"source": file}
     _read_sections(kw, sections)
     if cluster:
@@ -294,6 +342,7 @@ def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
     kw["peers"] = _peers(file, nodes, kw.get("node_id", 1), kw.get("host", DEFAULT_HOST),
                          kw.get("port", DEFAULT_PORT))
     kw["virtual_queues"] = _virtual_queues(file, virtual)
+    kw["queue_defaults"] = _queue_defaults(queues, kw["virtual_queues"])
     return Config(**kw)
 
 
@@ -401,6 +450,45 @@ def _virtual_queues(file: str,
     return vqs
 
 
+def _queue_defaults(queues: list[_Reader],
+                    virtual_queues: dict[str, tuple[str, ...]]) -> dict[str, dict[str, object]]:
+    """The top-level <queue> elements: real queue name -> the settings given
+    (max_size, max_deliveries, dead_letter, dedup_window_ms), checked as
+    config (5) checks them at run time."""
+    out: dict[str, dict[str, object]] = {}
+    for r in queues:
+        r.check_known("name", "max_size", "max_deliveries", "dead_letter", "dedup_window")
+        name = _queue_name(r, r.text("name", required=True))
+        if name in out:
+            raise r.error(f"queue {name!r} given twice")
+        if name in virtual_queues:
+            raise r.error(f"{name!r} is a virtual queue: virtual queues take no settings")
+        settings: dict[str, object] = {}
+        max_size = r.integer("max_size", lo=1, hi=MAX_QUEUE_MAX_SIZE)
+        if max_size is not None:
+            settings["max_size"] = max_size
+        max_deliveries = r.integer("max_deliveries", lo=0, hi=MAX_DELIVERIES)
+        if max_deliveries is not None:
+            settings["max_deliveries"] = max_deliveries
+        dead_letter = r.text("dead_letter")
+        if dead_letter is not None:
+            dead_letter = _queue_name(r, dead_letter, "dead_letter")
+            # The store's rules for config (5): no queue is its own
+            # dead-letter queue, not even through a virtual queue.
+            if dead_letter == name:
+                raise r.error(f"dead_letter={dead_letter!r}: a queue cannot be its own "
+                              "dead-letter queue")
+            if name in virtual_queues.get(dead_letter, ()):
+                raise r.error(f"dead_letter={dead_letter!r}: virtual queue {dead_letter!r} "
+                              f"includes {name!r} itself")
+            settings["dead_letter"] = dead_letter
+        window_ms = r.milliseconds("dedup_window", hi_s=MAX_DEDUP_WINDOW_S)
+        if window_ms is not None:
+            settings["dedup_window_ms"] = window_ms
+        out[name] = settings
+    return out
+
+
 _SECTIONS = ("log", "node_info", "queue_config", "replication", "storage", "limits")
 
 
@@ -414,6 +502,7 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
     cluster = None
     nodes: list[_Reader] = []
     virtual: list[tuple[_Reader, list[_Reader]]] = []
+    queues: list[_Reader] = []
     for el in root:
         if not isinstance(el.tag, str):
             continue  # comments, processing instructions
@@ -441,9 +530,15 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
                                       "unknown element (expected <queue>)")
                 members.append(_Reader(file, "virtual_queue/queue", q.attrib))
             virtual.append((_Reader(file, "virtual_queue", el.attrib), members))
+        elif el.tag == "queue":
+            for child in el:
+                if isinstance(child.tag, str):
+                    raise ConfigError(file, f"queue/{child.tag}",
+                                      "unknown element (<queue> takes only attributes)")
+            queues.append(_Reader(file, "queue", el.attrib))
         else:
             raise ConfigError(file, el.tag, "unknown element")
-    return _build(file, sections, cluster, nodes, virtual)
+    return _build(file, sections, cluster, nodes, virtual, queues)
 
 
 # queue_server's config.json keys -> (section, attribute).
@@ -505,7 +600,7 @@ def parse_json(text: str | bytes, file: str = "<string>") -> Config:
             raise ConfigError(file, key, "unknown setting")
     sections = {s: _Reader(file, s, a) for s, a in attrs.items() if s != "cluster"}
     cluster = _Reader(file, "cluster", attrs["cluster"]) if "cluster" in attrs else None
-    return _build(file, sections, cluster, nodes, virtual)
+    return _build(file, sections, cluster, nodes, virtual, [])
 
 
 def load_config(path: str) -> Config:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qserver.config import (
+    DEFAULT_MAX_REQUEST_SIZE,
     Config,
     Engine,
     Fsync,
@@ -22,7 +23,8 @@ from qserver.config import (
     parse_xml,
 )
 from qserver.errors import ConfigError, QServerError
-from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
+from qserver.wire.codec import MAX_UDP_PAYLOAD
+from qserver.wire.requests import MAX_DELIVERIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +50,8 @@ FULL_XML = """<?xml version="1.0" encoding="utf-8"?>
     <virtual_queue name="fan">
         <queue name="a"/>
     </virtual_queue>
+    <queue name="a" max_size="500" max_deliveries="5" dead_letter="a.dead" dedup_window="60"/>
+    <queue name="test1" dedup_window="0"/>
 </config>
 """
 
@@ -70,6 +74,9 @@ def test_full_xml():
                PeerConfig(node_id=3, host="10.0.0.3", port=1103)),
         secret="s3cret",
         virtual_queues={"test": ("test1", "test2"), "fan": ("a",)},
+        queue_defaults={"a": {"max_size": 500, "max_deliveries": 5, "dead_letter": "a.dead",
+                              "dedup_window_ms": 60_000},
+                        "test1": {"dedup_window_ms": 0}},
         engine=Engine.RAFT,
         mode=Mode.ASYNC,
         forward_request=False,
@@ -114,10 +121,11 @@ def test_default():
     assert (cfg.node_id, cfg.host, cfg.port) == (1, "127.0.0.1", 1111)
     assert cfg.log_prefix == "qserver" and cfg.log_level == logging.INFO
     assert cfg.peers == () and cfg.secret is None and cfg.virtual_queues == {}
+    assert cfg.queue_defaults == {}
     assert (cfg.engine, cfg.mode, cfg.forward_request) == (Engine.NATIVE, Mode.QUORUM, True)
     assert (cfg.storage_dir, cfg.fsync) == (None, Fsync.BATCH)
-    assert cfg.max_request_size == DEFAULT_MAX_REQUEST_SIZE
-    assert cfg.max_udp_request_size == min(DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD)
+    assert cfg.max_request_size == DEFAULT_MAX_REQUEST_SIZE == 1024 * 1024  # a 1,000-message batch
+    assert cfg.max_udp_request_size == MAX_UDP_PAYLOAD  # UDP: bounded by the datagram
     assert cfg.queue_size > 0 and cfg.log_size > 0 and cfg.sync_rate > 0
     assert cfg.max_wait_s == 30  # protocol-v2: <limits max_wait>, default 30 s
 
@@ -138,6 +146,124 @@ def test_max_wait(value):
 ])
 def test_bad_max_wait(value, problem):
     xml_error(f'<limits max_wait="{value}"/>', "limits", problem)
+
+
+def test_limits_without_max_request_size_keeps_the_default():
+    cfg = parse_xml('<config><limits max_wait="5"/></config>')
+    assert cfg.max_request_size == DEFAULT_MAX_REQUEST_SIZE == 1_048_576
+    assert parse_xml('<config><limits max_request_size="65536"/></config>').max_request_size \
+        == 65536
+
+
+# -- top-level <queue>: static per-queue defaults ------------------------------
+
+def queue_defaults(body: str) -> dict:
+    return parse_xml(f"<config>{body}</config>", "q.xml").queue_defaults
+
+
+def test_queue_defaults_keep_only_the_attributes_given():
+    assert queue_defaults('<queue name="a" max_size="10"/><queue name="b" max_deliveries="3"/>'
+                          '<queue name="c" dead_letter="c-dlq"/><queue name="d"/>') == {
+        "a": {"max_size": 10}, "b": {"max_deliveries": 3}, "c": {"dead_letter": "c-dlq"},
+        "d": {}}
+
+
+def test_queue_defaults_types():
+    got = queue_defaults('<queue name="a" max_size=" 7 " max_deliveries="0" dead_letter="b"'
+                         ' dedup_window="300"/>')["a"]
+    assert got == {"max_size": 7, "max_deliveries": 0, "dead_letter": "b",
+                   "dedup_window_ms": 300_000}
+    assert [type(got[k]) for k in ("max_size", "max_deliveries", "dead_letter",
+                                   "dedup_window_ms")] == [int, int, str, int]
+
+
+@pytest.mark.parametrize("value,ms", [
+    ("0", 0), ("1", 1000), ("1.5", 1500), (" 2.25 ", 2250), ("0.001", 1), ("0.0004", 0),
+    ("0.0016", 2), (".5", 500), ("3.", 3000), ("604800", 604_800_000), ("604800.0", 604_800_000),
+])
+def test_queue_dedup_window_in_seconds_stored_in_ms(value, ms):
+    assert queue_defaults(f'<queue name="a" dedup_window="{value}"/>') == {
+        "a": {"dedup_window_ms": ms}}
+
+
+def test_queue_bounds_accepted():
+    assert queue_defaults(f'<queue name="a" max_size="1"/>'
+                          f'<queue name="b" max_size="{2**40}" max_deliveries="{MAX_DELIVERIES}"/>'
+                          f'<queue name="{"q" * 255}" dead_letter="{"d" * 255}"/>') == {
+        "a": {"max_size": 1}, "b": {"max_size": 2**40, "max_deliveries": 1_000_000},
+        "q" * 255: {"dead_letter": "d" * 255}}
+
+
+def test_queue_beside_virtual_queues():
+    # A real member of a virtual queue takes settings; the top-level <queue>
+    # and the <queue> inside <virtual_queue> are different elements.
+    cfg = parse_xml('<config><queue name="a" max_size="5"/>'
+                    '<virtual_queue name="v"><queue name="a"/><queue name="b"/></virtual_queue>'
+                    '<queue name="b" dead_letter="v2"/>'
+                    '<virtual_queue name="v2"><queue name="c"/></virtual_queue></config>')
+    assert cfg.virtual_queues == {"v": ("a", "b"), "v2": ("c",)}
+    assert cfg.queue_defaults == {"a": {"max_size": 5}, "b": {"dead_letter": "v2"}}
+
+
+@pytest.mark.parametrize("body,problem", [
+    ("<queue/>", "missing attribute 'name'"),
+    ('<queue max_size="5"/>', "missing attribute 'name'"),
+    ('<queue name=""/>', "queue name must not be empty"),
+    (f'<queue name="{"q" * 256}"/>', "queue name longer than 255 characters"),
+    ('<queue name="a" size="5"/>', "unknown attribute 'size'"),
+    ('<queue name="a" dedup_window_ms="5"/>', "unknown attribute 'dedup_window_ms'"),
+    ('<queue name="a" paused="in"/>', "unknown attribute 'paused'"),
+    ('<queue name="a"/><queue name="a" max_size="5"/>', "queue 'a' given twice"),
+    ('<virtual_queue name="v"><queue name="a"/></virtual_queue><queue name="v" max_size="5"/>',
+     "'v' is a virtual queue: virtual queues take no settings"),
+    ('<queue name="v"/><virtual_queue name="v"><queue name="a"/></virtual_queue>',
+     "'v' is a virtual queue: virtual queues take no settings"),
+    ('<queue name="a" max_size="0"/>', f"max_size=0 out of range 1..{2**40}"),
+    (f'<queue name="a" max_size="{2**40 + 1}"/>', f"max_size={2**40 + 1} out of range"),
+    ('<queue name="a" max_size="-1"/>', "max_size=-1 out of range"),
+    ('<queue name="a" max_size="ten"/>', "max_size='ten' is not an integer"),
+    ('<queue name="a" max_size="1.5"/>', "max_size='1.5' is not an integer"),
+    ('<queue name="a" max_size=""/>', "max_size='' is not an integer"),
+    ('<queue name="a" max_deliveries="-1"/>', "max_deliveries=-1 out of range 0..1000000"),
+    ('<queue name="a" max_deliveries="1000001"/>',
+     "max_deliveries=1000001 out of range 0..1000000"),
+    ('<queue name="a" max_deliveries="x"/>', "max_deliveries='x' is not an integer"),
+    ('<queue name="a" dead_letter=""/>', "dead_letter must not be empty"),
+    (f'<queue name="a" dead_letter="{"d" * 256}"/>', "dead_letter longer than 255 characters"),
+    ('<queue name="a" dead_letter="a"/>',
+     "dead_letter='a': a queue cannot be its own dead-letter queue"),
+    (('<virtual_queue name="v"><queue name="b"/><queue name="a"/></virtual_queue>'
+      '<queue name="a" dead_letter="v"/>'),
+     "dead_letter='v': virtual queue 'v' includes 'a' itself"),
+    ('<queue name="a" dedup_window="-1"/>', "dedup_window=-1 out of range 0..604800 seconds"),
+    ('<queue name="a" dedup_window="604800.5"/>',
+     "dedup_window=604800.5 out of range 0..604800 seconds"),
+    ('<queue name="a" dedup_window="1000000"/>', "dedup_window=1000000 out of range"),
+    ('<queue name="a" dedup_window=""/>', "dedup_window='' is not a number of seconds"),
+    ('<queue name="a" dedup_window="5m"/>', "dedup_window='5m' is not a number of seconds"),
+    ('<queue name="a" dedup_window="nan"/>', "dedup_window='nan' is not a number of seconds"),
+    ('<queue name="a" dedup_window="inf"/>', "dedup_window='inf' is not a number of seconds"),
+    ('<queue name="a" dedup_window="1e3"/>', "dedup_window='1e3' is not a number of seconds"),
+    ('<queue name="a" dedup_window="1_0"/>', "dedup_window='1_0' is not a number of seconds"),
+    ('<queue name="a" dedup_window="."/>', "dedup_window='.' is not a number of seconds"),
+    ('<queue name="a" dedup_window="\u0663"/>',
+     "dedup_window='\u0663' is not a number of seconds"),
+])
+def test_bad_queue(body, problem):
+    xml_error(body, "queue", problem)
+
+
+def test_queue_takes_no_child_elements():
+    xml_error('<queue name="a"><dead_letter name="b"/></queue>', "queue/dead_letter",
+              "unknown element (<queue> takes only attributes)")
+    assert queue_defaults('<queue name="a"><!-- a comment --></queue>') == {"a": {}}
+
+
+def test_queue_errors_name_the_file(tmp_path):
+    path = tmp_path / "node.xml"
+    path.write_text('<config><queue name="a" max_deliveries="many"/></config>')
+    assert_error(lambda: load_config(str(path)), str(path), "queue",
+                 "max_deliveries='many' is not an integer")
 
 
 def test_only_node_info_gives_defaults():
@@ -293,7 +419,7 @@ def test_malformed_xml(text):
 
 @pytest.mark.parametrize("body,element", [
     ("<nodeinfo/>", "nodeinfo"),
-    ("<queue/>", "queue"),
+    ("<queues/>", "queues"),
     ("<cluster><peer id='1'/></cluster>", "cluster/peer"),
     ("<virtual_queue name='v'><q name='a'/></virtual_queue>", "virtual_queue/q"),
 ])

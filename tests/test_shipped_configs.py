@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from qserver.config import Config, Engine, Fsync, Mode, load_config
+from qserver.config import Config, Engine, Fsync, Mode, load_config, parse_xml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,8 +16,19 @@ def test_example_sets_every_setting():
     assert [p.port for p in c.peers] == [1101, 1102, 1103]
     assert c.secret and c.engine is Engine.NATIVE and c.mode is Mode.QUORUM
     assert c.forward_request and c.storage_dir == "data/node1" and c.fsync is Fsync.BATCH
-    assert c.max_request_size == 65536 and c.virtual_queues == {"test": ("test1", "test2")}
+    assert c.max_request_size == 1_048_576 and c.virtual_queues == {"test": ("test1", "test2")}
+    assert c.queue_defaults == {}  # its <queue> example is commented out
     assert (c.queue_size, c.log_size, c.sync_rate) == (1_000_000, 100_000, 3000)
+
+
+def test_example_queue_element_in_its_comment_parses():
+    # The per-queue <queue> example is commented out; uncommented, it is valid.
+    text = (ROOT / "cluster.xml.example").read_text()
+    example = text.split("For example:", 1)[1].split("-->", 1)[0]
+    c = parse_xml(f"<config>{example}</config>", "cluster.xml.example")
+    assert c.queue_defaults == {"orders": {"max_size": 100_000, "max_deliveries": 5,
+                                           "dead_letter": "orders.dead",
+                                           "dedup_window_ms": 300_000}}
 
 
 def test_single_matches_the_embedded_default():
