@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from .errors import ConfigError
-from .wire.codec import MAX_UDP_PAYLOAD
+from .wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
 from .wire.requests import MAX_DELIVERIES, MAX_QUEUE_NAME
 
 __all__ = [
@@ -58,12 +58,6 @@ DEFAULT_SYNC_RATE = 3_000
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1111
 
-# The default <limits max_request_size>: 1 MiB, so that a batch produce of
-# 1,000 messages (protocol-v2's largest batch) fits in one request. UDP stays
-# bounded by the datagram (Config.max_udp_request_size). This is the node's
-# default; wire.codec's constant of the same name is only the decoder's own
-# fallback when it is given no limit.
-DEFAULT_MAX_REQUEST_SIZE = 1024 * 1024
 
 # Smallest useful request limit: room for a request with a little data.
 MIN_REQUEST_SIZE = 256

@@ -57,7 +57,8 @@ class Node:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
+        self.store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues,
+                           queue_defaults=config.queue_defaults)
         self.log = Log()
         self.storage: DiskStorage | None = None
         self.engine: Engine

@@ -60,13 +60,22 @@ from typing import Any, cast
 from .config import Config
 from .engines.base import FORWARD_TIMEOUT_S, Engine, JsonObject, Respond, Role, Session
 from .errors import BadRequest
-from .state.entries import SETTINGS, Configure, Confirm, Consume, ConsumeMany, DeadLetter
-from .state.store import DELIVERIES, RETRY_MS, Store, message_view, receipt_text
+from .state.entries import Configure, Confirm, Consume, ConsumeMany, DeadLetter
+from .state.store import (
+    DEFAULT_PRIORITY,
+    DELIVERIES,
+    RETRY_MS,
+    Queue,
+    Store,
+    message_view,
+    receipt_text,
+)
 from .wire.codec import error_response
 from .wire.requests import (
     MAX_QUEUE_NAME,
     MAX_TIME_S,
     RELATIVE_TIME_LIMIT_S,
+    ClearRequest,
     ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
@@ -75,10 +84,10 @@ from .wire.requests import (
     MonitorRequest,
     NackRequest,
     PeekRequest,
+    ProduceBatchRequest,
     ProduceRequest,
     ShowRequest,
     TouchRequest,
-    UnsupportedRequest,
     parse_receipt,
     parse_request,
 )
@@ -136,10 +145,22 @@ def _configured(obj: JsonObject, settings: JsonObject) -> None:
     obj["config"] = settings
 
 
-def _default_settings() -> JsonObject:
-    """A queue's settings before any config (5) changed them."""
-    return {name: default if default != "" else None
-            for name, (_check, default) in SETTINGS.items()}
+def _cleared(obj: JsonObject, count: int) -> None:
+    obj["cleared"] = count
+
+
+def _view(queue: Queue, msg_id: int, now_ms: int) -> JsonObject:
+    """What show and peek answer for a message of `queue`."""
+    priorities = queue.priorities
+    return message_view(msg_id, queue.messages[msg_id], now_ms,
+                        priorities.get(msg_id, DEFAULT_PRIORITY) if priorities else
+                        DEFAULT_PRIORITY)
+
+
+def _ref_answer(ref: Any) -> Any:
+    """A dedup table's ref as an answer names it: the msg_id, or for a
+    virtual queue {real queue: msg_id}."""
+    return ref if type(ref) is int else dict(ref)
 
 
 class Service:
@@ -225,8 +246,8 @@ class Service:
         delay = get("delay")
         ttl = get("ttl")
         retry = get("retry")
-        if type(data) is not str:
-            return None
+        if type(data) is not str or "priority" in obj or "dedup_id" in obj:
+            return None  # (a batch has no data)
         # The answer drops the produce's inputs (see the module docstring).
         if type(delay) is int and type(ttl) is int and type(retry) is int:
             # The shape nearly every client sends: all three times given.
@@ -336,6 +357,8 @@ class Service:
             return
         if isinstance(req, ProduceRequest):
             self._produce(request, req, now_ms, respond)
+        elif isinstance(req, ProduceBatchRequest):
+            self._produce_batch(request, req, now_ms, respond)
         elif isinstance(req, ConsumeRequest):
             self._consume(request, req, now_ms, respond, session)
         elif isinstance(req, ConfirmRequest):
@@ -349,15 +372,15 @@ class Service:
         elif isinstance(req, PeekRequest):
             self._peek(request, req, now_ms, respond)
         elif isinstance(req, ConfigRequest):
-            self._config(request, req, respond)
+            self._config(request, req, now_ms, respond)
+        elif isinstance(req, ClearRequest):
+            self._clear(request, req, respond)
         elif isinstance(req, MonitorRequest):
             self._read(request, req.local, self._monitor, req, now_ms, respond)
         elif isinstance(req, ListRequest):
             self._read(request, req.local, self._list, req, now_ms, respond)
         elif isinstance(req, LeaderRequest):
             respond(self._leader(request))
-        elif isinstance(req, UnsupportedRequest):
-            respond(error_response("not support", request))
         else:  # parse_request returns only the types above
             respond(error_response("invalid action", request))
 
@@ -427,6 +450,68 @@ class Service:
             self.engine.propose(outcome, done)
         if self.waiting:
             self._written([name for name, _ in outcome.targets], now_ms)
+
+    def _produce_batch(self, obj: JsonObject, req: ProduceBatchRequest, now_ms: int,
+                       respond: Respond) -> None:
+        """A produce with `messages`, a `priority` or a `dedup_id`: one
+        entry for the items that are not duplicates; an answer of
+        duplicates only rests on committed state (read index)."""
+        pop = obj.pop
+        for name in ("data", "delay", "ttl", "retry", "messages"):
+            pop(name, None)
+        outcome = self.store.decide_produce_batch(req, now_ms)
+        if isinstance(outcome, str):
+            respond(error_response(outcome, obj))
+            return
+        entry, plan = outcome
+        virtual = req.queue in self.store.virtual_queues
+
+        def fill(response: JsonObject, targets: tuple[tuple[str, int], ...]) -> None:
+            ids = []
+            duplicates = []
+            for index, step in enumerate(plan):
+                if type(step) is int:
+                    k = step
+                elif step[0] == "same":
+                    k = step[1]
+                    duplicates.append(index)
+                else:
+                    ids.append(_ref_answer(step[1]))
+                    duplicates.append(index)
+                    continue
+                ids.append({name: first + k for name, first in targets} if virtual
+                           else targets[0][1] + k)
+            if req.batch:
+                response["msg_ids"] = ids
+                response["duplicates"] = duplicates
+                return
+            if virtual:
+                response["msg_ids"] = ids[0]
+                response["msg_id"] = next(iter(ids[0].values()))
+            else:
+                response["msg_id"] = ids[0]
+            if req.items[0].dedup_id:
+                response["duplicate"] = bool(duplicates)
+
+        if entry is None:  # duplicates only: acknowledged once their produce commits
+            request = dict(obj)
+            obj["code"] = 0
+            fill(obj, ())
+            self._after_read_index(obj, request, respond)
+            return
+        self._write(obj, entry, respond, fill)
+        if self.waiting:
+            self._written([name for name, _ in entry.targets], now_ms)
+
+    def _clear(self, obj: JsonObject, req: ClearRequest, respond: Respond) -> None:
+        outcome = self.store.decide_clear(req.queue)
+        if outcome is None:  # nothing to remove: rests on committed state
+            request = dict(obj)
+            obj["code"] = 0
+            obj["cleared"] = 0
+            self._after_read_index(obj, request, respond)
+            return
+        self._write(obj, outcome, respond, _cleared)
 
     def _consume(self, obj: JsonObject, req: ConsumeRequest, now_ms: int, respond: Respond,
                  session: Session | None) -> None:
@@ -594,15 +679,15 @@ class Service:
         if outcome.final or self.waiting:
             self._delivered_later(req.queue, outcome.retry_at_ms)
 
-    def _config(self, obj: JsonObject, req: ConfigRequest, respond: Respond) -> None:
+    def _config(self, obj: JsonObject, req: ConfigRequest, now_ms: int,
+                respond: Respond) -> None:
         if req.queue in self.store.virtual_queues:
             respond(error_response("virtual queue only takes produce", obj))
             return
         if not req.settings:  # a read
-            queue = self.store.get(req.queue)
             request = dict(obj)
             obj["code"] = 0
-            obj["config"] = queue.settings() if queue is not None else _default_settings()
+            obj["config"] = self.store.view(req.queue).settings()
             self._after_read_index(obj, request, respond)
             return
         outcome = self.store.decide_configure(req.queue, req.settings)
@@ -610,6 +695,8 @@ class Service:
             respond(error_response(outcome, obj))
             return
         self._write(obj, outcome, respond, _configured)
+        if self.waiting:  # resumed: its parked consumes may be served now
+            self._written([req.queue], now_ms)
 
     def _refuse(self, obj: JsonObject, reason: str, respond: Respond) -> None:
         """A refusal: one that rests on the state (a receipt that does not
@@ -791,13 +878,12 @@ class Service:
 
     def _show(self, obj: JsonObject, req: ShowRequest, now_ms: int, respond: Respond) -> None:
         queue = self.store.get(req.queue)
-        msg = None if queue is None else queue.messages.get(req.msg_id)
-        if msg is None:
+        if queue is None or req.msg_id not in queue.messages:
             self._refuse_read(obj, "no such message", respond)
             return
         request = dict(obj)
         obj["code"] = 0
-        obj["message"] = message_view(req.msg_id, msg, now_ms)
+        obj["message"] = _view(queue, req.msg_id, now_ms)
         self._after_read_index(obj, request, respond)
 
     def _peek(self, obj: JsonObject, req: PeekRequest, now_ms: int, respond: Respond) -> None:
@@ -810,7 +896,7 @@ class Service:
                 msg = held[msg_id]
                 if limit and msg[RETRY_MS] and len(msg) > 5 and msg[DELIVERIES] >= limit:
                     continue  # over a lowered max_deliveries: a consume moves it out
-                view = message_view(msg_id, msg, now_ms)
+                view = _view(queue, msg_id, now_ms)
                 view["queue"] = req.queue
                 messages.append(view)
                 if len(messages) == req.limit:
@@ -881,7 +967,9 @@ class Service:
     def _monitor(self, obj: JsonObject, req: MonitorRequest, now_ms: int) -> JsonObject:
         obj.update(self.node_info())
         if req.queue is not None:
-            obj["max_size"] = self.config.queue_size
+            view = self.store.view(req.queue)
+            obj["max_size"] = view.max_size
+            obj["paused"] = view.paused
             queue = self.store.get(req.queue)
             waiting = len(self.waiting.get(req.queue, ()))
             if queue is None:

@@ -123,7 +123,7 @@ BAD_REQUESTS = [
     (b'{"action":5,"queue":"bad","set":{"colour":1}}', "unknown setting: colour"),
     (b'{"action":5,"queue":"bad","set":{"dead_letter":"bad"}}',
      "bad value for dead_letter: a queue cannot be its own dead-letter queue"),
-    (b'{"action":6,"queue":"bad"}', "not support"),
+    (b'{"action":6}', "missing field: queue"),
     (b'{"action":2,"queue":"bad","count":0}', "count must be an integer from 1 to 1000"),
     (b'{"action":2,"queue":"bad","wait":31}', "wait out of range"),  # max_wait 30 s
     (b'{"action":2,"queue":"bad","lease":0}', "lease must be positive"),

@@ -283,7 +283,8 @@ def test_service_new_answers_that_append_no_entry_wait_for_the_read_index():
     assert [(r["seq"], r["code"]) for r in out] == [(req["seq"], code) for req, code in requests]
     assert out[0]["messages"] == [] and "msg_id" not in out[1]
     assert out[2]["message"]["state"] == "in_flight" and out[3]["messages"] == []
-    assert out[4]["config"] == {"max_deliveries": 0, "dead_letter": None}
+    assert out[4]["config"] == {"max_deliveries": 0, "dead_letter": None,
+        "max_size": 1000000, "dedup_window": 300, "paused": "none"}
     assert [r["reason"] for r in out[5:]] == ["stale receipt"] * 3 + ["not in flight"] * 2 + [
         "no such message"]
 

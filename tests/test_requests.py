@@ -14,6 +14,7 @@ from qserver.wire.requests import (
     MAX_QUEUE_NAME,
     MAX_QUEUES,
     MAX_TIME_S,
+    ClearRequest,
     ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
@@ -22,10 +23,10 @@ from qserver.wire.requests import (
     MonitorRequest,
     NackRequest,
     PeekRequest,
+    ProduceBatchRequest,
     ProduceRequest,
     ShowRequest,
     TouchRequest,
-    UnsupportedRequest,
     parse_request,
 )
 
@@ -102,7 +103,7 @@ def test_leader():
 
 def test_unsupported():
     # Action 6 (clear) is still queue_server's "not support"; 5 is config now.
-    assert parse_request({"action": 6, "queue": "q"}) == UnsupportedRequest(action=6)
+    assert parse_request({"action": 6, "queue": "q"}) == ClearRequest("q")
 
 
 def test_config_read():
@@ -441,7 +442,7 @@ DEAD_LETTER_REASON = (f"bad value for dead_letter: must be a queue name (1 to "
     ([], "set must be an object of settings"),
     ("max_deliveries=3", "set must be an object of settings"),
     (3, "set must be an object of settings"),
-    ({"paused": "in"}, "unknown setting: paused"),  # the next issue's
+    ({"paused": "sideways"}, "bad value for paused: must be one of none, in, out, all"),
     ({"max_deliveries": 1, "colour": "red"}, "unknown setting: colour"),
     ({"max_deliveries": -1}, MAX_DELIVERIES_REASON),
     ({"max_deliveries": MAX_DELIVERIES + 1}, MAX_DELIVERIES_REASON),
@@ -488,8 +489,9 @@ def test_fuzz_parse_request_returns_a_request_or_raises_bad_request(obj):
         assert type(exc) is BadRequest and isinstance(exc.reason, str) and exc.reason
         return
     assert type(req) in (ProduceRequest, ConsumeRequest, ConfirmRequest, MonitorRequest,
-                         ListRequest, LeaderRequest, UnsupportedRequest, NackRequest,
-                         TouchRequest, ShowRequest, PeekRequest, ConfigRequest)
+                         ListRequest, LeaderRequest, ClearRequest, NackRequest,
+                         TouchRequest, ShowRequest, PeekRequest, ConfigRequest,
+                         ProduceBatchRequest)
     if type(req) in (ConfirmRequest, NackRequest, TouchRequest, ShowRequest):
         assert type(req.msg_id) is int and req.msg_id >= 1
     if type(req) is ConsumeRequest:

@@ -321,11 +321,13 @@ def test_leader(node):
 
 # -- unsupported and bad requests --------------------------------------------
 
-def test_clear_is_not_supported(node):
+def test_clear_removes_every_message_and_answers_how_many(node):
+    # Action 6 was "not support" (queue_server); it is clear now (protocol-v2).
+    node.produce("q")
     node.produce("q")
     resp = node({"action": 6, "queue": "q", "seq": 1})
-    assert resp == {"action": 6, "queue": "q", "seq": 1, "code": -1, "reason": "not support"}
-    assert len(node.store.get("q")) == 1  # clear did nothing
+    assert resp == {"action": 6, "queue": "q", "seq": 1, "code": 0, "cleared": 2}
+    assert len(node.store.get("q")) == 0
 
 
 def test_config_without_set_reads_the_settings_and_changes_nothing(node):
@@ -334,7 +336,8 @@ def test_config_without_set_reads_the_settings_and_changes_nothing(node):
     before = node.log.last_trans_id
     resp = node({"action": 5, "queue": "q", "seq": 1})
     assert resp == {"action": 5, "queue": "q", "seq": 1, "code": 0,
-                    "config": {"max_deliveries": 0, "dead_letter": None}}
+                    "config": {"max_deliveries": 0, "dead_letter": None,
+        "max_size": 1000000, "dedup_window": 300, "paused": "none"}}
     assert node.log.last_trans_id == before  # a read logs nothing
     assert len(node.store.get("q")) == 1
 

@@ -336,19 +336,22 @@ def test_peek_lists_what_consumes_would_deliver_and_changes_nothing(node):
 def test_config_set_answers_the_settings_and_is_logged(node):
     req = {"action": 5, "queue": "q", "set": {"max_deliveries": 3, "dead_letter": "dlq"},
            "seq": 1}
-    assert node(dict(req)) == dict(req, code=0, config={"max_deliveries": 3,
-                                                        "dead_letter": "dlq"})
+    settings = {"max_deliveries": 3, "dead_letter": "dlq", "max_size": 1_000_000,
+                "dedup_window": 300, "paused": "none"}
+    assert node(dict(req)) == dict(req, code=0, config=settings)
     assert node.log.last_trans_id == 1
-    assert ok(node({"action": 5, "queue": "q"}))["config"] == {"max_deliveries": 3,
-                                                               "dead_letter": "dlq"}
+    assert ok(node({"action": 5, "queue": "q"}))["config"] == settings
     resp = ok(node({"action": 5, "queue": "q", "set": {"dead_letter": None}}))
-    assert resp["config"] == {"max_deliveries": 3, "dead_letter": None}
+    assert resp["config"] == {"max_deliveries": 3, "dead_letter": None,
+        "max_size": 1000000, "dedup_window": 300, "paused": "none"}
     resp = ok(node({"action": 5, "queue": "q", "set": {"max_deliveries": 0, "dead_letter": ""}}))
-    assert resp["config"] == {"max_deliveries": 0, "dead_letter": None}
+    assert resp["config"] == {"max_deliveries": 0, "dead_letter": None,
+        "max_size": 1000000, "dedup_window": 300, "paused": "none"}
     assert node.log.last_trans_id == 3
     # an unknown queue reads as the defaults, and the read creates nothing
     assert ok(node({"action": 5, "queue": "other"}))["config"] == {"max_deliveries": 0,
-                                                                   "dead_letter": None}
+                                                                   "dead_letter": None,
+        "max_size": 1000000, "dedup_window": 300, "paused": "none"}
     assert node.store.get("other") is None
     # an empty set is a read
     ok(node({"action": 5, "queue": "other", "set": {}}))
@@ -411,8 +414,8 @@ BAD = [
     ({"action": 5, "queue": "q", "set": [1]}, "set must be an object of settings"),
     ({"action": 5, "queue": "q", "set": "max_deliveries=1"}, "set must be an object of settings"),
     ({"action": 5, "queue": "q", "set": {"colour": "red"}}, "unknown setting: colour"),
-    ({"action": 5, "queue": "q", "set": {"max_deliveries": 1, "paused": "in"}},
-     "unknown setting: paused"),
+    ({"action": 5, "queue": "q", "set": {"max_deliveries": 1, "paused": "in", "hue": 1}},
+     "unknown setting: hue"),
     ({"action": 5, "queue": "q", "set": {"max_deliveries": -1}}, MAX_DELIVERIES),
     ({"action": 5, "queue": "q", "set": {"max_deliveries": 1_000_001}}, MAX_DELIVERIES),
     ({"action": 5, "queue": "q", "set": {"max_deliveries": "3"}}, MAX_DELIVERIES),

@@ -192,8 +192,8 @@ def test_snapshot_round_trip(source):
 
 def test_snapshot_of_an_unknown_version_is_refused():
     blob = bytearray(b"".join(fmt.encode_snapshot_chunks(1, 1, small_store().to_wire())))
-    assert blob[4] == 2
-    for version in (0, 3, 255):
+    assert blob[4] == 3
+    for version in (0, 4, 255):
         blob[4] = version
         with pytest.raises(ValueError, match=f"version {version} unknown"):
             fmt.decode_snapshot(bytes(blob))

@@ -718,7 +718,8 @@ def test_dead_letters_fan_out_to_a_virtual_dead_letter_queue():
     d = Driver(virtual_queues={"dead": ("d1", "d2")})
     d.produce(NOW, "d2", "x")
     d.configure("q", max_deliveries=1, dead_letter="dead")
-    assert d.store.queues["q"].settings() == {"max_deliveries": 1, "dead_letter": "dead"}
+    assert d.store.queues["q"].settings() == {"max_deliveries": 1, "dead_letter": "dead",
+        "max_size": 1000, "dedup_window": 300, "paused": "none"}
     d.produce(NOW, data="job", retry=5)
     d.consume(NOW)
     moves = d.expire(NOW + 5000)
@@ -770,12 +771,17 @@ def test_lowering_max_deliveries_moves_out_what_is_over_it_at_its_next_consume(d
 
 
 def test_configure_creates_the_queue_and_answers_its_settings(d):
-    assert d.configure("new", max_deliveries=5) == {"max_deliveries": 5, "dead_letter": None}
+    defaults = {"max_size": 1000, "dedup_window": 300, "paused": "none"}
+    assert d.configure("new", max_deliveries=5) == {"max_deliveries": 5, "dead_letter": None,
+                                                    **defaults}
     assert d.store.get("new").max_id == 0 and d.ids("new") == []
-    assert d.configure("new", dead_letter="dlq") == {"max_deliveries": 5, "dead_letter": "dlq"}
+    assert d.configure("new", dead_letter="dlq") == {"max_deliveries": 5, "dead_letter": "dlq",
+                                                        "max_size": 1000, "dedup_window": 300,
+                                                        "paused": "none"}
     assert d.configure("new", dead_letter="", max_deliveries=0) == {
-        "max_deliveries": 0, "dead_letter": None}
-    assert d.store.get("new").extras() == {}
+        "max_deliveries": 0, "dead_letter": None, **defaults}
+    # Set explicitly, so kept: they win over the node's XML defaults.
+    assert d.store.get("new").extras() == {"max_deliveries": 0, "dead_letter": ""}
     assert d.store.get("dlq") is None  # naming a dead-letter queue creates nothing
     entry = d.decide(d.store.decide_configure, "q", {"max_deliveries": 2, "dead_letter": "x"})
     assert entry == Configure("q", (("dead_letter", "x"), ("max_deliveries", 2)))
@@ -879,7 +885,7 @@ def test_snapshot_format_round_trip_with_long_messages_and_extras(source):
     d = _rich_store()
     state = d.store.to_wire() if source == "to_wire" else fmt.store_wire_iter(d.store)
     blob = b"".join(fmt.encode_snapshot_chunks(11, 4, state))
-    assert blob[4] == 2  # the version written
+    assert blob[4] == 3  # the version written
     trans_id, vote_id, decoded = fmt.decode_snapshot(blob)
     assert (trans_id, vote_id) == (11, 4)
     plain = Store(queue_size=1000)
@@ -915,7 +921,8 @@ def test_a_version_1_snapshot_still_loads():
     d.replica.load_wire(state)
     d.check()
     assert d.msg(1) == ("a", NOW, NOW + HOUR, 5000, NOW + 5000)
-    assert d.store.queues["q"].settings() == {"max_deliveries": 0, "dead_letter": None}
+    assert d.store.queues["q"].settings() == {"max_deliveries": 0, "dead_letter": None,
+        "max_size": 1000, "dedup_window": 300, "paused": "none"}
     # the old in-flight message: no receipt matches it; by id it can be nacked
     assert d.nack(NOW, 1, (0, 1, 1)) == "stale receipt"
     assert type(d.touch(NOW, 1)) is Touch
@@ -985,7 +992,8 @@ def test_revert_of_every_new_kind_newest_first_restores_each_state():
     assert results[2] == [("q", 1, "a", 1), ("q", 2, "b", 1)]
     assert results[3] == NOW + 100 and results[4] == NOW + 9000
     assert results[5] == (1, "a", 2) and results[7] == (("d1", 1), ("d2", 1))
-    assert results[1] == {"max_deliveries": 1, "dead_letter": None}
+    assert results[1] == {"max_deliveries": 1, "dead_letter": None,
+        "max_size": 1000, "dedup_window": 300, "paused": "none"}
     for undo, wire in zip(reversed(undos), reversed(wires)):
         store.revert(undo)
         store._check()

@@ -122,6 +122,7 @@ class ModelQueue:
         self.max_deliveries = 0  # 0 = unlimited
         self.dead_letter = None
         self.dead_lettered = 0
+        self.config = {}  # the settings config (5) set explicitly (snapshot extras)
 
     def deliverable(self, now):
         """The ids consumes at `now` take, in that order (earliest due time
@@ -134,6 +135,7 @@ class ModelQueue:
     def clone(self):
         twin = copy.copy(self)
         twin.msgs = {i: m.clone() for i, m in self.msgs.items()}
+        twin.config = dict(self.config)
         return twin
 
     def over_limit(self, m):
@@ -142,7 +144,8 @@ class ModelQueue:
         return bool(m.retry and self.max_deliveries and m.deliveries >= self.max_deliveries)
 
     def settings(self):
-        return {"max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter}
+        return {"max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter,
+                "max_size": QUEUE_SIZE, "dedup_window": 300, "paused": "none"}
 
 
 class Model:
@@ -318,6 +321,7 @@ class Model:
         if target and (target == queue or queue in VIRTUAL.get(target, ())):
             return "bad value for dead_letter"
         q = self.queues.setdefault(queue, ModelQueue())
+        q.config.update(changes)
         if "max_deliveries" in changes:
             q.max_deliveries = changes["max_deliveries"]
         if "dead_letter" in changes:
@@ -328,7 +332,7 @@ class Model:
 
     def wire(self):
         """The state in `Store.to_wire()`'s layout: per queue [name,
-        max_id, messages] plus the non-default settings and counter; per
+        max_id, messages] plus the settings set and the counter; per
         message [id, data, ready, ttl, retry, lease end or 0], then, once
         delivered, deliveries, nacks, the receipt's epoch and the final
         reason, then a dead letter's origin queue, id and reason."""
@@ -344,11 +348,7 @@ class Model:
                 if m.origin:
                     row += [m.origin[0], m.origin[1], REASON_CODES[m.origin[2]]]
                 msgs.append(row)
-            extras = {}
-            if q.max_deliveries:
-                extras["max_deliveries"] = q.max_deliveries
-            if q.dead_letter:
-                extras["dead_letter"] = q.dead_letter
+            extras = dict(q.config)
             if q.dead_lettered:
                 extras["dead_lettered"] = q.dead_lettered
             out.append([name, q.max_id, msgs, extras] if extras else [name, q.max_id, msgs])

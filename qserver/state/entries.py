@@ -31,7 +31,13 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from ..wire.requests import MAX_DELIVERIES
+from ..wire.requests import (
+    MAX_DEDUP_WINDOW_MS,
+    MAX_DELIVERIES,
+    MAX_PRIORITY,
+    MAX_QUEUE_SIZE,
+    PAUSED_STATES,
+)
 
 __all__ = [
     "Kind",
@@ -44,6 +50,8 @@ __all__ = [
     "Touch",
     "DeadLetter",
     "Configure",
+    "ProduceBatch",
+    "Clear",
     "FINAL_NONE",
     "FINAL_MAX_DELIVERIES",
     "FINAL_EXPIRED",
@@ -67,6 +75,8 @@ class Kind(enum.IntEnum):
     TOUCH = 6
     DEAD_LETTER = 7
     CONFIGURE = 8
+    PRODUCE_BATCH = 9
+    CLEAR = 10
 
 
 # What happens when a delivery's lease runs out unconfirmed (`final`): it
@@ -169,6 +179,35 @@ class Configure(NamedTuple):
     settings: tuple[tuple[str, object], ...]
 
 
+class ProduceBatch(NamedTuple):
+    """New messages with what a plain `Produce` has not: a batch, a
+    priority, a dedup id. One entry, all or nothing.
+
+    `queue` is the name the client produced to (a real or a virtual queue):
+    its dedup table records the items' dedup ids. `targets` holds (real
+    queue, first msg_id) pairs: item k (0-based) becomes message
+    first + k in each of them. `items` are (data, ready_ms, ttl_ms,
+    retry_ms, priority, dedup_id) with dedup_id "" for none; duplicates are
+    not in the entry (the master found them in the table). `accepted_ms`
+    is the master's clock when it decided: the time the dedup table
+    records. Before adding, the table drops the ids accepted at or before
+    `cutoff_ms` (accepted_ms minus the queue's dedup window): pruned by
+    entry times, never a node's own clock."""
+
+    queue: str
+    targets: tuple[tuple[str, int], ...]
+    items: tuple[tuple[str, int, int, int, int, str], ...]
+    accepted_ms: int
+    cutoff_ms: int
+
+
+class Clear(NamedTuple):
+    """Every message of `queue` removed (action 6); its settings, max_id
+    and dedup table stay."""
+
+    queue: str
+
+
 class Confirm(NamedTuple):
     """Deletion of a delivered (or still pending) message by its consumer."""
 
@@ -176,7 +215,8 @@ class Confirm(NamedTuple):
     msg_id: int
 
 
-Entry = Noop | Produce | Consume | Confirm | ConsumeMany | Nack | Touch | DeadLetter | Configure
+Entry = (Noop | Produce | Consume | Confirm | ConsumeMany | Nack | Touch | DeadLetter | Configure
+         | ProduceBatch | Clear)
 
 
 def _max_deliveries(value: object) -> int:
@@ -192,10 +232,33 @@ def _dead_letter(value: object) -> str:
     return value
 
 
-# A queue's settings, each with its check (raises ValueError) and default.
+def _max_size(value: object) -> int:
+    # 0 = the node's queue_size
+    if type(value) is not int or not 0 <= value <= MAX_QUEUE_SIZE:
+        raise ValueError(f"must be an integer from 0 to {MAX_QUEUE_SIZE}")
+    return value
+
+
+def _dedup_window_ms(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_DEDUP_WINDOW_MS:
+        raise ValueError(f"must be an integer from 0 to {MAX_DEDUP_WINDOW_MS}")
+    return value
+
+
+def _paused(value: object) -> str:
+    if value not in PAUSED_STATES or type(value) is not str:
+        raise ValueError(f"must be one of {', '.join(PAUSED_STATES)}")
+    return value
+
+
+# A queue's settings, each with its check (raises ValueError) and default
+# (the value in force when neither config (5) nor the node's XML set it).
 SETTINGS: dict[str, tuple[Any, object]] = {
     "max_deliveries": (_max_deliveries, 0),  # 0 = unlimited
     "dead_letter": (_dead_letter, ""),  # "" = none: such messages are deleted
+    "max_size": (_max_size, 0),  # 0 = the node's queue_size
+    "dedup_window_ms": (_dedup_window_ms, 300_000),  # SQS FIFO's 5 minutes; 0 = off
+    "paused": (_paused, "none"),
 }
 
 
@@ -232,6 +295,11 @@ def entry_to_wire(entry: Entry) -> list[Any]:
                 [list(t) for t in entry.targets], entry.ready_ms, entry.ttl_ms]
     if type(entry) is Configure:
         return [Kind.CONFIGURE, entry.queue, [list(s) for s in entry.settings]]
+    if type(entry) is ProduceBatch:
+        return [Kind.PRODUCE_BATCH, entry.queue, [list(t) for t in entry.targets],
+                [list(i) for i in entry.items], entry.accepted_ms, entry.cutoff_ms]
+    if type(entry) is Clear:
+        return [Kind.CLEAR, entry.queue]
     raise TypeError(f"not an entry: {entry!r}")
 
 
@@ -292,6 +360,22 @@ def _settings(raw: object) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
+def _batch_items(raw: object) -> tuple[tuple[str, int, int, int, int, str], ...]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ValueError("batch items must be a non-empty list")
+    items = []
+    for item in raw:
+        if not isinstance(item, (list, tuple)) or len(item) != 6:
+            raise ValueError("batch item must be [data, ready_ms, ttl_ms, retry_ms, priority, "
+                             "dedup_id]")
+        priority = item[4]
+        if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer from 0 to {MAX_PRIORITY}")
+        items.append((_str(item[0], "data"), _int(item[1], "ready_ms"), _int(item[2], "ttl_ms"),
+                      _int(item[3], "retry_ms"), priority, _str(item[5], "dedup_id")))
+    return tuple(items)
+
+
 def entry_from_wire(obj: object) -> Entry:
     """Decode and validate an entry; raises ValueError when malformed."""
     if not isinstance(obj, (list, tuple)) or not obj:
@@ -341,6 +425,12 @@ def entry_from_wire(obj: object) -> Entry:
                           ready_ms=_int(obj[5], "ready_ms"), ttl_ms=_int(obj[6], "ttl_ms"))
     if kind == Kind.CONFIGURE and len(obj) == 3:
         return Configure(queue=_str(obj[1], "queue"), settings=_settings(obj[2]))
+    if kind == Kind.PRODUCE_BATCH and len(obj) == 6:
+        return ProduceBatch(queue=_str(obj[1], "queue"), targets=_targets(obj[2], empty=False),
+                            items=_batch_items(obj[3]), accepted_ms=_int(obj[4], "accepted_ms"),
+                            cutoff_ms=_int(obj[5], "cutoff_ms"))
+    if kind == Kind.CLEAR and len(obj) == 2:
+        return Clear(queue=_str(obj[1], "queue"))
     raise ValueError(f"unknown entry kind {kind!r} with {len(obj)} fields")
 
 

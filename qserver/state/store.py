@@ -73,18 +73,20 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import takewhile
+from itertools import chain, takewhile
 from typing import Any, Final
 
 from sortedcontainers import SortedList
 
 from ..errors import InvariantError
 from ..wire.requests import (
+    DEFAULT_PRIORITY,
     RELATIVE_TIME_LIMIT_S,
     ConfirmRequest,
     ConsumeRequest,
+    ProduceBatchRequest,
     ProduceRequest,
 )
 from .entries import (
@@ -92,6 +94,7 @@ from .entries import (
     FINAL_MAX_DELIVERIES,
     FINAL_NONE,
     SETTINGS,
+    Clear,
     Configure,
     Confirm,
     Consume,
@@ -101,14 +104,18 @@ from .entries import (
     Nack,
     Noop,
     Produce,
+    ProduceBatch,
     Touch,
 )
 
-__all__ = ["Message", "Queue", "Store", "SnapshotLoader", "DEFAULT_TTL_MS", "WAIT_STATUS_SAMPLE",
-           "Receipt", "receipt_text", "message_view", "REASON_NAMES"]
+__all__ = ["Message", "Queue", "Store", "SnapshotLoader", "DedupTable", "DEFAULT_TTL_MS",
+           "WAIT_STATUS_SAMPLE", "Receipt", "receipt_text", "message_view", "REASON_NAMES",
+           "DEFAULT_PRIORITY", "DEDUP_MAX_IDS"]
 
 _ID_BITS = 64
 _ID_MASK = (1 << _ID_BITS) - 1
+# A prioritized message's key in `pready`: priority << 128 | time << 64 | id.
+_PRIO_SHIFT = 128
 
 # Builds a NamedTuple entry from a tuple of its fields: the same value as
 # Produce(...), without the Python-level __new__ that NamedTuple generates
@@ -123,7 +130,17 @@ DEFAULT_TTL_MS = 3_600_000
 _UNPRODUCE = "unproduce"  # (tag, queue, msg_id, previous max_id, queue created)
 _RESTORE = "restore"  # (tag, queue, msg_id, the Message as it was)
 _RECOUNT = "recount"  # (tag, queue, dead_lettered as it was)
-_RESET = "reset"  # (tag, queue, settings as they were, queue created)
+_RESET = "reset"  # (tag, queue, explicit settings as they were, queue created)
+_UNPRODUCE_MANY = "unproduce many"  # (tag, queue, first msg_id, count, previous max_id, created)
+_UNCLEAR = "unclear"  # (tag, queue, its message containers as they were)
+_UNDEDUP = "undedup"  # (tag, table owner, virtual, removed [(id, value)], added [(id, previous)])
+
+# A dedup table holds at most this many ids (per queue): at ~170 bytes an id
+# (bench/producer_bench.py measures it), 1,000,000 ids are ~170 MB, the
+# bound of one queue's table. Past it the oldest ids go first, even inside
+# the window: a producer that resends after a million newer dedup ids is
+# not recognised (README, "Idempotent produce").
+DEDUP_MAX_IDS = 1_000_000
 
 # wait_status sums the waiting time of at most this many of the oldest ready
 # messages (queue_server's sample size): a cheap congestion signal.
@@ -170,6 +187,8 @@ ORIGIN_MSG_ID: Final = 10
 REASON: Final = 11
 # The lengths a message tuple may have.
 _SHORT, _DELIVERED, _DEAD_LETTER = 5, 9, 12
+# The lengths of a snapshot row with a priority: 1 + a message's + 1.
+_PRIORITIZED_ROWS = (_SHORT + 2, _DELIVERED + 2, _DEAD_LETTER + 2)
 
 # The names of a dead letter's reason, as show and the README give them.
 REASON_NAMES = {FINAL_MAX_DELIVERIES: "max_deliveries", FINAL_EXPIRED: "expired"}
@@ -207,7 +226,8 @@ def _long(msg: Message) -> Message:
     return (*msg, 1 if msg[RETRY_AT_MS] else 0, 0, 0, FINAL_NONE)
 
 
-def message_view(msg_id: int, msg: Message, now_ms: int) -> dict[str, Any]:
+def message_view(msg_id: int, msg: Message, now_ms: int,
+                 priority: int = DEFAULT_PRIORITY) -> dict[str, Any]:
     """What show and peek answer for a message (times in unix seconds)."""
     retry_at_ms = msg[RETRY_AT_MS]
     if retry_at_ms:
@@ -217,7 +237,7 @@ def message_view(msg_id: int, msg: Message, now_ms: int) -> dict[str, Any]:
         state = "ready" if msg[READY_MS] <= now_ms else "delayed"
     long = len(msg) > _SHORT
     view: dict[str, Any] = {
-        "msg_id": msg_id, "state": state, "data": msg[DATA], "priority": DEFAULT_PRIORITY,
+        "msg_id": msg_id, "state": state, "data": msg[DATA], "priority": priority,
         "ready_at": msg[READY_MS] / 1000, "ttl": msg[TTL_MS] / 1000, "retry": msg[RETRY_MS] / 1000,
         "retry_at": retry_at_ms / 1000 if state == "in_flight" else 0,
         "deliveries": msg[DELIVERIES] if long else 0,
@@ -226,10 +246,6 @@ def message_view(msg_id: int, msg: Message, now_ms: int) -> dict[str, Any]:
         view.update(origin_queue=msg[ORIGIN_QUEUE], origin_msg_id=msg[ORIGIN_MSG_ID],
                     dead_letter_reason=REASON_NAMES[msg[REASON]])
     return view
-
-
-# beanstalkd's default priority; every message has it until priorities exist.
-DEFAULT_PRIORITY = 1024
 
 
 # sortedcontainers ships no type information: to mypy SortedList is Any.
@@ -285,11 +301,124 @@ class _Keys(SortedList):  # type: ignore[misc]
         return lists[0][0] if lists else None
 
 
+class DedupTable:
+    """The dedup ids a queue accepted: dedup_id -> (ref, accepted_ms), in
+    the order they were first accepted (an id accepted again after its
+    window keeps its place, with the new time). `ref` is the msg_id, or for
+    a virtual queue the ((real queue, msg_id), ...) of the produce.
+
+    Built by apply from entries only; pruned from the oldest end by the
+    entries' cutoffs and by DEDUP_MAX_IDS. (An OrderedDict: it pops its
+    oldest key in O(1), where a dict's iteration would step over the holes
+    that pops leave.)"""
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        self.ids: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+
+    def find(self, dedup_id: str, now_ms: int, window_ms: int) -> Any:
+        """The ref of `dedup_id` if it was accepted less than `window_ms`
+        before `now_ms`, else None. O(1)."""
+        found = self.ids.get(dedup_id)
+        if found is None or now_ms >= found[1] + window_ms:
+            return None
+        return found[0]
+
+    def prune(self, cutoff_ms: int, removed: list[Any] | None) -> None:
+        """Drop the oldest ids while they were accepted at or before
+        `cutoff_ms` (stopping at the first that was not). Amortised O(1)."""
+        ids = self.ids
+        while ids:
+            dedup_id = next(iter(ids))
+            value = ids[dedup_id]
+            if value[1] > cutoff_ms:
+                return
+            del ids[dedup_id]
+            if removed is not None:
+                removed.append((dedup_id, value))
+
+    def add(self, dedup_id: str, ref: Any, accepted_ms: int, removed: list[Any] | None,
+            added: list[Any] | None) -> None:
+        """Record `dedup_id`; the oldest id goes if the table is full. O(1)."""
+        ids = self.ids
+        previous = ids.get(dedup_id)
+        if previous is None and len(ids) >= DEDUP_MAX_IDS:
+            oldest, value = ids.popitem(last=False)
+            if removed is not None:
+                removed.append((oldest, value))
+        if added is not None:
+            added.append((dedup_id, previous))
+        ids[dedup_id] = (ref, accepted_ms)
+
+    def undo(self, removed: list[Any], added: list[Any]) -> None:
+        """Take back `prune`s and `add`s whose records are these."""
+        ids = self.ids
+        for dedup_id, previous in reversed(added):
+            if previous is None:
+                del ids[dedup_id]
+            else:
+                ids[dedup_id] = previous  # in place: it kept its position
+        for dedup_id, value in reversed(removed):
+            ids[dedup_id] = value
+            ids.move_to_end(dedup_id, last=False)
+
+    def to_wire(self) -> list[Any]:
+        return [[d, [list(t) for t in ref] if type(ref) is tuple else ref, at]
+                for d, (ref, at) in self.ids.items()]
+
+    @classmethod
+    def from_wire(cls, raw: object, what: str) -> DedupTable:
+        """Raises ValueError on anything `to_wire` does not give."""
+        if not isinstance(raw, (list, tuple)):
+            raise ValueError(f"{what}: dedup table is not a list")
+        table = cls()
+        ids = table.ids
+        for row in raw:
+            if not isinstance(row, (list, tuple)) or len(row) != 3 or type(row[0]) is not str \
+                    or type(row[2]) is not int:
+                raise ValueError(f"{what}: bad dedup row {row!r}")
+            ref = row[1]
+            if isinstance(ref, (list, tuple)):
+                ref = tuple((str(t[0]), int(t[1])) for t in ref)
+            elif type(ref) is not int:
+                raise ValueError(f"{what}: bad dedup ref {ref!r}")
+            ids[row[0]] = (ref, row[2])
+        return table
+
+
+def _settings_view(max_deliveries: int, dead_letter: str, max_size: int, dedup_window_ms: int,
+                   paused: str) -> dict[str, Any]:
+    """The settings as config (5) answers them (seconds, null for none)."""
+    window_s = dedup_window_ms / 1000
+    return {"max_deliveries": max_deliveries, "dead_letter": dead_letter or None,
+            "max_size": max_size,
+            "dedup_window": int(window_s) if window_s.is_integer() else window_s,
+            "paused": paused}
+
+
 class Queue:
-    """A real queue: messages by id, plus the FIFO, pending and retry indexes."""
+    """A real queue: messages by id, plus the FIFO, pending and retry
+    indexes, and the three indexes of prioritized messages.
+
+    Priorities: a message produced with a priority other than the default
+    (DEFAULT_PRIORITY) has it in `priorities` and is indexed, unless it is
+    a final delivery (`finals`), in one of `pdelayed` (never delivered, by
+    ready time), `pretrying` (in flight, by lease end) or `pready`, keyed
+    (priority, time, id) and holding those whose time is at or before
+    `pmark`. A read at `now_ms` first moves what came due into `pready`
+    (`_promote`), so the most urgent deliverable prioritized message is
+    `pready`'s first one with time <= now (all are, unless a master's
+    clock is behind an earlier master's mark). Which of these indexes
+    holds a message depends on when reads happened: it is not state
+    (`to_wire` does not see it), as with the FIFO and `pending`. Messages
+    without a priority never touch these indexes: their cost is one test
+    of an empty dict."""
 
     __slots__ = ("name", "messages", "fifo", "fifo_ready", "pending", "retrying", "finals",
-                 "max_id", "max_deliveries", "dead_letter", "dead_lettered")
+                 "max_id", "max_deliveries", "dead_letter", "dead_lettered", "priorities",
+                 "pready", "pdelayed", "pretrying", "pmark", "config", "max_size", "limit",
+                 "delivers", "dedup_window_ms", "paused", "dedup")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -302,16 +431,85 @@ class Queue:
         self.retrying = _Keys()  # keys of delivered, unconfirmed messages that come back
         self.finals = _Keys()  # ...that leave the queue when their lease runs out
         self.max_id = 0  # highest msg_id ever assigned; ids never repeat
-        # Settings (entries.SETTINGS; Configure entries change them).
+        self.dead_lettered = 0  # messages that left by the dead-letter rules
+        # msg_id -> priority, for live messages whose priority is not the default
+        self.priorities: dict[int, int] = {}
+        self.pready = _Keys()  # priority << 128 | time << 64 | id, time <= pmark
+        self.pdelayed = _Keys()  # time << 64 | id of never-delivered ones, time > pmark
+        self.pretrying = _Keys()  # ...of in-flight ones (not final), time > pmark
+        self.pmark = 0  # the latest `now_ms` that `_promote` moved keys up to
+        # The settings config (5) set (entries.SETTINGS names; state): what
+        # the node's XML defaults and SETTINGS' defaults do not decide.
+        self.config: dict[str, Any] = {}
+        # The settings in force (Store._settle derives them from `config`,
+        # the XML defaults and SETTINGS; not state, as they depend on the
+        # node's configuration, which apply never reads).
         self.max_deliveries = 0  # 0 = unlimited
         self.dead_letter = ""  # "" = none
-        self.dead_lettered = 0  # messages that left by the dead-letter rules
+        self.max_size = 0  # the most messages a produce may leave it holding
+        self.limit = 0  # max_size, or 0 while paused in (one test on the produce path)
+        self.delivers = True  # not paused out
+        self.dedup_window_ms = 0
+        self.paused = "none"
+        self.dedup = DedupTable()  # produces with a dedup_id to this queue
 
     def __len__(self) -> int:
         return len(self.messages)
 
+    def settings(self) -> dict[str, Any]:
+        """The settings in force, as config (5) answers them."""
+        return _settings_view(self.max_deliveries, self.dead_letter, self.max_size,
+                              self.dedup_window_ms, self.paused)
+
+    # -- prioritized messages --------------------------------------------
+
+    def pindex(self, msg_id: int, msg: Message) -> None:
+        """Index a prioritized message that is not a final delivery. O(log n)."""
+        retry_at_ms = msg[RETRY_AT_MS]
+        time_ms = retry_at_ms or msg[READY_MS]
+        key = time_ms << _ID_BITS | msg_id
+        if time_ms <= self.pmark:
+            self.pready.add(self.priorities[msg_id] << _PRIO_SHIFT | key)
+        elif retry_at_ms:
+            self.pretrying.add(key)
+        else:
+            self.pdelayed.add(key)
+
+    def punindex(self, msg_id: int, retry_at_ms: int, ready_ms: int) -> None:
+        """Remove a prioritized message that is not a final delivery. O(log n)."""
+        key = (retry_at_ms or ready_ms) << _ID_BITS | msg_id
+        timed = self.pretrying if retry_at_ms else self.pdelayed
+        if key in timed:
+            timed.remove(key)
+        else:
+            self.pready.remove(self.priorities[msg_id] << _PRIO_SHIFT | key)
+
+    def _promote(self, now_ms: int) -> None:
+        """Move the prioritized messages due at `now_ms` into `pready`.
+        Amortised O(log n) per message: each moves once per delivery."""
+        if now_ms <= self.pmark:
+            return
+        limit = (now_ms + 1) << _ID_BITS
+        priorities = self.priorities
+        pready = self.pready
+        for timed in (self.pdelayed, self.pretrying):
+            while (key := timed.first()) is not None and key < limit:
+                timed.remove(key)
+                pready.add(priorities[key & _ID_MASK] << _PRIO_SHIFT | key)
+        self.pmark = now_ms
+
+    def _pready_due(self, now_ms: int) -> Iterator[int]:
+        """`pready`'s keys due at `now_ms`, most urgent first (after
+        `_promote(now_ms)`: all of them, unless now is behind pmark)."""
+        for key in self.pready:
+            if (key >> _ID_BITS) & _ID_MASK <= now_ms:
+                yield key
+
     def next_due(self, now_ms: int) -> int | None:
-        """The msg_id a consume at `now_ms` delivers, or None. O(1)."""
+        """The msg_id a consume at `now_ms` delivers, or None (also while
+        paused out). O(1) without priorities, O(log n) with."""
+        if not self.delivers:
+            return None
         limit = (now_ms + 1) << _ID_BITS  # every key with time <= now is below it
         fifo = self.fifo
         best: int | None
@@ -328,12 +526,36 @@ class Queue:
         key = self.retrying.first()
         if key is not None and key < limit and (best is None or key < best):
             best = key
+        if self.priorities:
+            self._promote(now_ms)
+            urgent = next(self._pready_due(now_ms), None)
+            if urgent is not None and (best is None or urgent >> _PRIO_SHIFT < DEFAULT_PRIORITY):
+                return urgent & _ID_MASK
         return None if best is None else best & _ID_MASK
 
     def due(self, now_ms: int) -> Iterator[int]:
         """The msg_ids a series of consumes at `now_ms` would deliver, in
-        that order (the indexes merged by key). The queue must not change
-        while this runs. O(log n) per id."""
+        that order: prioritized ones more urgent than the default, the
+        indexes of the others merged by key, then the less urgent ones
+        (nothing while paused out). The queue must not change while this
+        runs. O(log n) per id."""
+        if not self.delivers:
+            return
+        later: Iterator[int] = iter(())
+        if self.priorities:
+            self._promote(now_ms)
+            urgent = self._pready_due(now_ms)
+            for key in urgent:
+                if key >> _PRIO_SHIFT > DEFAULT_PRIORITY:
+                    later = chain((key,), urgent)  # this one, then the rest
+                    break
+                yield key & _ID_MASK
+        yield from self._due_default(now_ms)
+        for key in later:
+            yield key & _ID_MASK
+
+    def _due_default(self, now_ms: int) -> Iterator[int]:
+        """`due` for messages without a priority."""
         limit = (now_ms + 1) << _ID_BITS
         messages = self.messages
 
@@ -353,14 +575,22 @@ class Queue:
 
     def next_ready_ms(self) -> int | None:
         """The earliest time at which a message is (or was) deliverable:
-        the least key time of the three indexes, or None. O(1)."""
+        the least key time of the indexes, or None (also while paused out:
+        nothing is deliverable until it is resumed). O(1)."""
+        if not self.delivers:
+            return None
         best: int | None = None
         if self.fifo:
             best = self.messages[self.fifo[0]][READY_MS]
-        for keys in (self.pending, self.retrying):
+        for keys in (self.pending, self.retrying, self.pdelayed, self.pretrying):
             key = keys.first()
             if key is not None and (best is None or key >> _ID_BITS < best):
                 best = key >> _ID_BITS
+        key = self.pready.first()
+        if key is not None:
+            time_ms = (key >> _ID_BITS) & _ID_MASK  # (at or before pmark: due, or nearly)
+            if best is None or time_ms < best:
+                best = time_ms
         return best
 
     def oldest_ready_ms(self, now_ms: int) -> int | None:
@@ -377,11 +607,12 @@ class Queue:
         """Index a message that is in `messages` and in no index, by its
         fields: `retrying`, `finals`, or the FIFO/`pending`. O(log n)."""
         retry_at_ms = msg[RETRY_AT_MS]
-        if retry_at_ms:
-            if len(msg) > _SHORT and msg[FINAL]:
-                self.finals.add(retry_at_ms << _ID_BITS | msg_id)
-            else:
-                self.retrying.add(retry_at_ms << _ID_BITS | msg_id)
+        if retry_at_ms and len(msg) > _SHORT and msg[FINAL]:
+            self.finals.add(retry_at_ms << _ID_BITS | msg_id)
+        elif self.priorities and msg_id in self.priorities:
+            self.pindex(msg_id, msg)
+        elif retry_at_ms:
+            self.retrying.add(retry_at_ms << _ID_BITS | msg_id)
         else:
             self.index_pending(msg_id, msg)
 
@@ -399,9 +630,23 @@ class Queue:
         limit = (now_ms + 1) << _ID_BITS
         pending_ready = self.pending.bisect_left(limit) + self._fifo_ready_count(now_ms)
         retry_due = self.retrying.bisect_left(limit)
-        return (pending_ready + retry_due,
-                len(self.pending) + len(self.fifo) - pending_ready,
-                len(self.retrying) - retry_due + len(self.finals))
+        ready = pending_ready + retry_due
+        delayed = len(self.pending) + len(self.fifo) - pending_ready
+        in_flight = len(self.retrying) - retry_due + len(self.finals)
+        if self.priorities:
+            self._promote(now_ms)
+            ready += len(self.pready)
+            delayed += len(self.pdelayed)
+            in_flight += len(self.pretrying)
+            if now_ms < self.pmark:  # a clock behind the mark: some of pready are not due
+                for key in self.pready:
+                    if (key >> _ID_BITS) & _ID_MASK > now_ms:
+                        ready -= 1
+                        if self.messages[key & _ID_MASK][RETRY_AT_MS]:
+                            in_flight += 1
+                        else:
+                            delayed += 1
+        return ready, delayed, in_flight
 
     def wait_status(self, now_ms: int) -> int:
         """queue_server's congestion figure: the seconds waited by the oldest
@@ -432,46 +677,61 @@ class Queue:
         or the FIFO's tail, O(log n) in a sorted list, O(n) in the middle
         of the FIFO."""
         retry_at_ms = msg[RETRY_AT_MS]
-        if retry_at_ms:
-            if len(msg) > _SHORT and msg[FINAL]:
-                self.finals.remove(retry_at_ms << _ID_BITS | msg_id)
-            else:
-                self.retrying.remove(retry_at_ms << _ID_BITS | msg_id)
+        if retry_at_ms and len(msg) > _SHORT and msg[FINAL]:
+            self.finals.remove(retry_at_ms << _ID_BITS | msg_id)
+        elif self.priorities and msg_id in self.priorities:
+            self.punindex(msg_id, retry_at_ms, msg[READY_MS])
+        elif retry_at_ms:
+            self.retrying.remove(retry_at_ms << _ID_BITS | msg_id)
         else:
             self.unindex_pending(msg_id, msg[READY_MS])
 
-    def settings(self) -> dict[str, Any]:
-        """The queue's settings, as config (5) answers them."""
-        return {"max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter or None}
-
     def extras(self) -> dict[str, Any]:
         """The queue's state besides its messages and max_id, where it is not
-        the default (the snapshot's form; {} for most queues)."""
-        out: dict[str, Any] = {}
-        for name, (_check, default) in SETTINGS.items():
-            value = getattr(self, name)
-            if value != default:
-                out[name] = value
+        the default (the snapshot's form; {} for most queues): the settings
+        config (5) set, the dead-letter count, the dedup table."""
+        out: dict[str, Any] = dict(self.config)
         if self.dead_lettered:
             out["dead_lettered"] = self.dead_lettered
+        if self.dedup.ids:
+            out["dedup"] = self.dedup.to_wire()
         return out
 
     def load_extras(self, extras: Mapping[str, Any]) -> None:
-        """Set what `extras()` gave; raises ValueError on anything else."""
+        """Set what `extras()` gave; raises ValueError on anything else.
+        (The store settles the settings in force afterwards.)"""
         for name, value in extras.items():
             if name == "dead_lettered":
                 if type(value) is not int or value < 0:
                     raise ValueError(f"queue {self.name}: bad dead_lettered {value!r}")
                 self.dead_lettered = value
                 continue
+            if name == "dedup":
+                self.dedup = DedupTable.from_wire(value, f"queue {self.name}")
+                continue
             known = SETTINGS.get(name)
             if known is None:
                 raise ValueError(f"queue {self.name}: unknown setting {name!r}")
-            setattr(self, name, known[0](value))
+            self.config[name] = known[0](value)
+
+    def swap_messages(self, held: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        """Replace every message and index with `held` (what an earlier call
+        returned), or with nothing; returns what the queue held. O(1)."""
+        before = (self.messages, self.fifo, self.fifo_ready, self.pending, self.retrying,
+                  self.finals, self.priorities, self.pready, self.pdelayed, self.pretrying,
+                  self.pmark)
+        if held is None:
+            held = ({}, deque(), 0, _Keys(), _Keys(), _Keys(), {}, _Keys(), _Keys(), _Keys(), 0)
+        (self.messages, self.fifo, self.fifo_ready, self.pending, self.retrying, self.finals,
+         self.priorities, self.pready, self.pdelayed, self.pretrying, self.pmark) = held
+        return before
 
     def unindex_pending(self, msg_id: int, ready_ms: int) -> None:
-        """Remove a never-delivered message from the FIFO or `pending`.
-        Costs as `unindex`."""
+        """Remove a never-delivered message from the FIFO or `pending` (or a
+        prioritized one from its index). Costs as `unindex`."""
+        if self.priorities and msg_id in self.priorities:
+            self.punindex(msg_id, 0, ready_ms)
+            return
         fifo = self.fifo
         if fifo:
             if fifo[0] == msg_id:
@@ -496,6 +756,9 @@ class Queue:
         """Index a live never-delivered message again (a revert): at the
         FIFO's head or tail when that keeps its order, else in `pending`,
         which is a valid place for any such message. O(log n)."""
+        if self.priorities and msg_id in self.priorities:
+            self.pindex(msg_id, msg)
+            return
         fifo = self.fifo
         ready_ms = msg[READY_MS]
         key = ready_ms << _ID_BITS | msg_id
@@ -519,10 +782,11 @@ class Queue:
 
     def _check(self) -> None:
         """Verify this queue's invariants; raises InvariantError."""
-        self.pending._check()
-        self.retrying._check()
-        self.finals._check()
-        sizes = (len(self.fifo), len(self.pending), len(self.retrying), len(self.finals))
+        for keys in (self.pending, self.retrying, self.finals, self.pready, self.pdelayed,
+                     self.pretrying):
+            keys._check()
+        sizes = (len(self.fifo), len(self.pending), len(self.retrying), len(self.finals),
+                 len(self.pready), len(self.pdelayed), len(self.pretrying))
         if sum(sizes) != len(self.messages):
             raise InvariantError(f"queue {self.name}: index sizes "
                                  f"{'+'.join(map(str, sizes))} != {len(self.messages)} messages")
@@ -533,7 +797,7 @@ class Queue:
             if msg is None or msg[RETRY_AT_MS]:
                 raise InvariantError(f"queue {self.name}: stale FIFO id {msg_id}")
             key = msg[READY_MS] << _ID_BITS | msg_id
-            if key <= previous:
+            if key <= previous or msg_id in self.priorities:
                 raise InvariantError(f"queue {self.name}: FIFO out of order at {msg_id}")
             previous = key
             indexed.add(msg_id)
@@ -542,16 +806,43 @@ class Queue:
                                  f"below the tail's ready time")
         for key in self.pending:
             msg = self.messages.get(key & _ID_MASK)
-            if msg is None or msg[RETRY_AT_MS] or key >> _ID_BITS != msg[READY_MS]:
+            if msg is None or msg[RETRY_AT_MS] or key >> _ID_BITS != msg[READY_MS] \
+                    or key & _ID_MASK in self.priorities:
                 raise InvariantError(f"queue {self.name}: stale pending key {key}")
             indexed.add(key & _ID_MASK)
         for keys, final in ((self.retrying, False), (self.finals, True)):
             for key in keys:
                 msg = self.messages.get(key & _ID_MASK)
                 if (msg is None or key >> _ID_BITS != msg[RETRY_AT_MS]
-                        or final != bool(len(msg) > _SHORT and msg[FINAL])):
+                        or final != bool(len(msg) > _SHORT and msg[FINAL])
+                        or (not final and key & _ID_MASK in self.priorities)):
                     raise InvariantError(f"queue {self.name}: stale retry key {key}")
                 indexed.add(key & _ID_MASK)
+        for msg_id, priority in self.priorities.items():
+            msg = self.messages.get(msg_id)
+            if msg is None or type(priority) is not int or priority == DEFAULT_PRIORITY \
+                    or not 0 <= priority < 1 << 31:
+                raise InvariantError(f"queue {self.name}: stale priority of {msg_id}")
+        for keys, delivered in ((self.pdelayed, False), (self.pretrying, True)):
+            for key in keys:
+                msg_id = key & _ID_MASK
+                msg = self.messages.get(msg_id)
+                if msg is None or msg_id not in self.priorities \
+                        or bool(msg[RETRY_AT_MS]) != delivered \
+                        or key >> _ID_BITS != (msg[RETRY_AT_MS] or msg[READY_MS]) \
+                        or key >> _ID_BITS <= self.pmark \
+                        or (len(msg) > _SHORT and msg[FINAL]):
+                    raise InvariantError(f"queue {self.name}: stale prioritized key {key}")
+                indexed.add(msg_id)
+        for key in self.pready:
+            msg_id = key & _ID_MASK
+            msg = self.messages.get(msg_id)
+            time_ms = (key >> _ID_BITS) & _ID_MASK
+            if msg is None or self.priorities.get(msg_id) != key >> _PRIO_SHIFT \
+                    or time_ms != (msg[RETRY_AT_MS] or msg[READY_MS]) or time_ms > self.pmark \
+                    or (len(msg) > _SHORT and msg[FINAL]):
+                raise InvariantError(f"queue {self.name}: stale ready priority key {key}")
+            indexed.add(msg_id)
         if len(indexed) != len(self.messages):  # with the sizes: none in two places
             raise InvariantError(f"queue {self.name}: a message is indexed twice")
         for msg_id, msg in self.messages.items():
@@ -570,6 +861,27 @@ def _apply_noop(entry: Noop, undo: list[Any] | None) -> None:
     return None
 
 
+def _times(delay_s: float | None, ttl_s: float | None, now_ms: int) -> tuple[int, int] | None:
+    """(ready_ms, ttl_ms) of a produce at `now_ms` (as
+    `Store.decide_produce_values` computes them), or None for a ttl
+    before the delay."""
+    if delay_s is None:
+        ready_ms = now_ms
+    elif delay_s < RELATIVE_TIME_LIMIT_S:
+        ready_ms = now_ms + round(delay_s * 1000)
+    else:
+        ready_ms = round(delay_s * 1000)
+    if ttl_s is None:
+        ttl_ms = ready_ms + DEFAULT_TTL_MS
+    elif ttl_s < RELATIVE_TIME_LIMIT_S:
+        ttl_ms = now_ms + round(ttl_s * 1000)
+    else:
+        ttl_ms = round(ttl_s * 1000)
+    if ttl_ms < ready_ms:
+        return None
+    return max(ready_ms, now_ms), ttl_ms
+
+
 class Store:
     """Every queue of a node, and the two steps that change them.
 
@@ -580,9 +892,15 @@ class Store:
     """
 
     def __init__(self, *, queue_size: int,
-                 virtual_queues: Mapping[str, Sequence[str]] | None = None) -> None:
+                 virtual_queues: Mapping[str, Sequence[str]] | None = None,
+                 queue_defaults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.queue_size = queue_size
         self.virtual_queues = {k: tuple(v) for k, v in (virtual_queues or {}).items()}
+        # queue name -> settings (SETTINGS names) the node's XML gives it;
+        # config (5) wins over them. Not state: they only feed decisions.
+        self.queue_defaults = {k: dict(v) for k, v in (queue_defaults or {}).items()}
+        # The dedup tables of virtual queues (a real queue holds its own).
+        self.vdedup: dict[str, DedupTable] = {}
         self.queues: dict[str, Queue] = {}  # created by their first produce entry
         # The (ready_ms, ttl_ms) int objects of the last message stored: the
         # next message with equal times keeps references to these instead
@@ -600,7 +918,8 @@ class Store:
             Confirm: self._apply_confirm, Noop: _apply_noop,
             ConsumeMany: self._apply_consume_many, Nack: self._apply_nack,
             Touch: self._apply_touch, DeadLetter: self._apply_dead_letter,
-            Configure: self._apply_configure}
+            Configure: self._apply_configure, ProduceBatch: self._apply_produce_batch,
+            Clear: self._apply_clear}
         # Names of the queues whose `finals` is not empty: where the master
         # looks for leases that ran out (`next_final_ms`, `decide_expired`).
         self.final_queues: set[str] = set()
@@ -609,6 +928,48 @@ class Store:
 
     def get(self, name: str) -> Queue | None:
         return self.queues.get(name)
+
+    def _new_queue(self, name: str) -> Queue:
+        """Create queue `name` (an entry names it first) with its settings."""
+        queue = self.queues[name] = Queue(name)
+        self._settle(queue)
+        return queue
+
+    def _settle(self, queue: Queue) -> None:
+        """Derive the settings in force from what config (5) set, the XML
+        defaults of the queue and SETTINGS' defaults. O(1)."""
+        config = queue.config
+        defaults = self.queue_defaults.get(queue.name, {})
+
+        def pick(name: str) -> Any:
+            if name in config:
+                return config[name]
+            if name in defaults:
+                return defaults[name]
+            return SETTINGS[name][1]
+
+        queue.max_deliveries = pick("max_deliveries")
+        queue.dead_letter = pick("dead_letter")
+        queue.max_size = pick("max_size") or self.queue_size
+        queue.dedup_window_ms = pick("dedup_window_ms")
+        paused = queue.paused = config.get("paused", "none")
+        queue.limit = 0 if paused in ("in", "all") else queue.max_size
+        queue.delivers = paused not in ("out", "all")
+
+    def view(self, name: str) -> Queue:
+        """Queue `name`, or one with its settings that no entry created yet
+        (for reads: not added to the store)."""
+        queue = self.queues.get(name)
+        if queue is None:
+            queue = Queue(name)
+            self._settle(queue)
+        return queue
+
+    def _refusal(self, queue: Queue, virtual: bool) -> str:
+        """Why a produce that would pass `queue.limit` is refused."""
+        if not queue.limit:
+            return f"queue paused: {queue.name}" if virtual else "queue paused"
+        return f"queue full: {queue.name}"
 
     def message_count(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -651,22 +1012,100 @@ class Store:
         if members is None:  # a plain queue: the common case
             q = queues.get(queue)
             if q is None:
+                q = self.view(queue)
+                if not q.limit:
+                    return self._refusal(q, False)
                 targets = ((queue, 1),)
-            elif len(q.messages) >= self.queue_size:
-                return f"queue full: {queue}"
+            elif len(q.messages) >= q.limit:
+                return self._refusal(q, False)
             else:
                 targets = ((queue, q.max_id + 1),)
             return _new(Produce, (targets, data, ready_ms, ttl_ms, retry_ms))
+        listed = self._targets(members, 1)
+        if isinstance(listed, str):
+            return listed
+        return _new(Produce, (listed, data, ready_ms, ttl_ms, retry_ms))
+
+    def _targets(self, members: Sequence[str], count: int) -> tuple[tuple[str, int], ...] | str:
+        """(queue, first new msg_id) of each of a virtual queue's members
+        for `count` new messages, or why they cannot take them. O(k)."""
         listed = []
         for name in members:
-            q = queues.get(name)
-            if q is None:
-                listed.append((name, 1))
-            elif len(q.messages) >= self.queue_size:
-                return f"queue full: {name}"
-            else:
-                listed.append((name, q.max_id + 1))
-        return _new(Produce, (tuple(listed), data, ready_ms, ttl_ms, retry_ms))
+            q = self.view(name)
+            if len(q.messages) + count > q.limit:
+                return self._refusal(q, True)
+            listed.append((name, q.max_id + 1))
+        return tuple(listed)
+
+    def decide_produce_batch(self, req: ProduceBatchRequest, now_ms: int
+                             ) -> tuple[ProduceBatch | None, list[Any]] | str:
+        """Decide a produce with a batch, priorities or dedup ids: (the
+        entry, or None when every item is a duplicate; the plan), or the
+        reason it is refused (a time error names the item's index in a
+        batch). The plan has one element per item, in input order: the
+        index of its message in the entry's items (an int), ("dup", ref)
+        for a duplicate of an accepted produce (ref as in DedupTable), or
+        ("same", index) for a duplicate of an earlier item of the batch.
+        O(b) for b items (O(b log n) with priorities)."""
+        queue = req.queue
+        members = self.virtual_queues.get(queue)
+        names = members if members is not None else (queue,)
+        for name in names:  # paused: refused before anything else
+            q = self.view(name)
+            if not q.limit:
+                return self._refusal(q, members is not None)
+        timed = []
+        for index, item in enumerate(req.items):
+            times = _times(item.delay_s, item.ttl_s, now_ms)
+            if times is None:
+                return f"messages[{index}]: time error" if req.batch else "time error"
+            timed.append(times)
+        window_ms = self.view(names[0]).dedup_window_ms
+        table = self.queues[queue].dedup if queue in self.queues else self.vdedup.get(queue)
+        seen: dict[str, int] = {}  # dedup_id -> index in `items`, within this batch
+        plan: list[Any] = []
+        items: list[tuple[str, int, int, int, int, str]] = []
+        for item, (ready_ms, ttl_ms) in zip(req.items, timed, strict=True):
+            dedup_id = item.dedup_id if window_ms else ""
+            if dedup_id:
+                ref = None if table is None else table.find(dedup_id, now_ms, window_ms)
+                if ref is not None:
+                    plan.append(("dup", ref))
+                    continue
+                earlier = seen.get(dedup_id)
+                if earlier is not None:
+                    plan.append(("same", earlier))
+                    continue
+                seen[dedup_id] = len(items)
+            retry_s = item.retry_s
+            plan.append(len(items))
+            items.append((item.data, ready_ms, ttl_ms,
+                          retry_s * 1000 if type(retry_s) is int else round(retry_s * 1000),
+                          item.priority, dedup_id))
+        if not items:
+            return None, plan
+        if members is None:
+            q = self.view(queue)
+            if len(q.messages) + len(items) > q.limit:
+                return self._refusal(q, False)
+            targets: tuple[tuple[str, int], ...] = ((queue, q.max_id + 1),)
+        else:
+            listed = self._targets(members, len(items))
+            if isinstance(listed, str):
+                return listed
+            targets = listed
+        return ProduceBatch(queue, targets, tuple(items), now_ms,
+                            max(0, now_ms - window_ms)), plan
+
+    def decide_clear(self, queue: str) -> Clear | str | None:
+        """Remove every message of `queue`: an entry, or None when it holds
+        none (nothing to change). O(1)."""
+        if queue in self.virtual_queues:
+            return "virtual queue only takes produce"
+        q = self.queues.get(queue)
+        if q is None or not q.messages:
+            return None
+        return Clear(queue)
 
     def decide_consume(self, req: ConsumeRequest, now_ms: int,
                        epoch: int) -> Consume | ConsumeMany | DeadLetter | str | None:
@@ -929,7 +1368,7 @@ class Store:
         for name, msg_id in targets:
             queue = queues.get(name)
             if queue is None:
-                queue = queues[name] = Queue(name)
+                queue = self._new_queue(name)
                 created = True
             else:
                 created = False
@@ -955,12 +1394,17 @@ class Store:
         queue = self.queues.get(name)
         if queue is None or (msg := queue.messages.get(msg_id)) is None:
             raise InvariantError(f"consume of missing message {name}/{msg_id}")
+        priorities = queue.priorities
+        prioritized = bool(priorities) and msg_id in priorities
         if undo is not None:
-            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RESTORE, name, msg_id, msg,
+                         priorities[msg_id] if prioritized else None))
         # Queue.unindex, with the common cases inline (the hot path). A
         # consume takes the earliest message: a head of an index.
         old_retry_at_ms = msg[RETRY_AT_MS]
-        if old_retry_at_ms:
+        if prioritized:
+            queue.punindex(msg_id, old_retry_at_ms, msg[READY_MS])
+        elif old_retry_at_ms:
             queue.retrying.remove(old_retry_at_ms << _ID_BITS | msg_id)
         else:
             fifo = queue.fifo
@@ -977,10 +1421,14 @@ class Store:
             if final:
                 queue.finals.add(retry_at_ms << _ID_BITS | msg_id)
                 self.final_queues.add(name)
+            elif prioritized:
+                queue.pindex(msg_id, msg)
             else:
                 queue.retrying.add(retry_at_ms << _ID_BITS | msg_id)
             return msg_id, msg[DATA], msg[DELIVERIES]
         del queue.messages[msg_id]
+        if prioritized:
+            del priorities[msg_id]
         return msg_id, msg[DATA], msg[DELIVERIES] + 1 if len(msg) > _SHORT else 1
 
     def _apply_consume_many(self, entry: ConsumeMany,
@@ -1014,7 +1462,7 @@ class Store:
         if not msg[RETRY_AT_MS]:
             raise InvariantError(f"nack of {name}/{msg_id}, which is not in flight")
         if undo is not None:
-            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RESTORE, name, msg_id, msg, queue.priorities.get(msg_id)))
         queue.unindex(msg_id, msg)
         self._track_finals(queue)
         msg = _long(msg)
@@ -1031,7 +1479,7 @@ class Store:
         if not msg[RETRY_AT_MS]:
             raise InvariantError(f"touch of {name}/{msg_id}, which is not in flight")
         if undo is not None:
-            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RESTORE, name, msg_id, msg, queue.priorities.get(msg_id)))
         queue.unindex(msg_id, msg)
         msg = _long(msg)
         msg = (*msg[:RETRY_AT_MS], retry_at_ms, *msg[DELIVERIES:FINAL], final, *msg[_DELIVERED:])
@@ -1046,10 +1494,11 @@ class Store:
         name, msg_id, reason, targets, ready_ms, ttl_ms = entry
         queue, msg = self._message_for(name, msg_id, "dead letter")
         if undo is not None:
-            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RESTORE, name, msg_id, msg, queue.priorities.get(msg_id)))
             undo.append((_RECOUNT, name, queue.dead_lettered))
         del queue.messages[msg_id]
         queue.unindex(msg_id, msg)
+        queue.priorities.pop(msg_id, None)
         self._track_finals(queue)
         queue.dead_lettered += 1
         queues = self.queues
@@ -1059,7 +1508,7 @@ class Store:
             target = queues.get(target_name)
             created = target is None
             if target is None:
-                target = queues[target_name] = Queue(target_name)
+                target = self._new_queue(target_name)
             if new_id <= target.max_id:
                 raise InvariantError(f"dead letter {target_name}/{new_id} at or below max_id "
                                      f"{target.max_id}")
@@ -1076,13 +1525,75 @@ class Store:
         queue = self.queues.get(name)
         created = queue is None
         if queue is None:
-            queue = self.queues[name] = Queue(name)
+            queue = self._new_queue(name)
         if undo is not None:
-            before = tuple((key, getattr(queue, key)) for key in SETTINGS)
-            undo.append((_RESET, name, before, created))
-        for key, value in settings:
-            setattr(queue, key, value)
+            undo.append((_RESET, name, dict(queue.config), created))
+        queue.config.update(settings)
+        self._settle(queue)
         return queue.settings()
+
+    def _apply_produce_batch(self, entry: ProduceBatch,
+                             undo: list[Any] | None) -> tuple[tuple[str, int], ...]:
+        """-> the targets: item k is message first + k of each."""
+        owner, targets, items, accepted_ms, cutoff_ms = entry
+        count = len(items)
+        queues = self.queues
+        for name, first in targets:
+            queue = queues.get(name)
+            created = queue is None
+            if queue is None:
+                queue = self._new_queue(name)
+            if first <= queue.max_id:
+                raise InvariantError(f"produce {name}/{first} at or below max_id {queue.max_id}")
+            if undo is not None:
+                undo.append((_UNPRODUCE_MANY, name, first, count, queue.max_id, created))
+            queue.max_id = first + count - 1
+            messages, fifo, priorities = queue.messages, queue.fifo, queue.priorities
+            for msg_id, (data, ready_ms, ttl_ms, retry_ms, priority, _dedup_id) in enumerate(
+                    items, first):
+                msg = messages[msg_id] = (data, ready_ms, ttl_ms, retry_ms, 0)
+                if priority != DEFAULT_PRIORITY:
+                    priorities[msg_id] = priority
+                    queue.pindex(msg_id, msg)
+                elif ready_ms >= queue.fifo_ready or not fifo:
+                    fifo.append(msg_id)
+                    queue.fifo_ready = ready_ms
+                else:
+                    queue.pending.add(ready_ms << _ID_BITS | msg_id)
+        virtual = len(targets) != 1 or targets[0][0] != owner
+        if virtual:
+            vtable = self.vdedup.get(owner)
+            if vtable is None:
+                if not any(item[5] for item in items):
+                    return targets  # no table, and nothing to put in one
+                vtable = self.vdedup[owner] = DedupTable()
+            table = vtable
+        else:
+            table = queues[owner].dedup
+        removed: list[Any] | None = [] if undo is not None else None
+        added: list[Any] | None = [] if undo is not None else None
+        table.prune(cutoff_ms, removed)
+        for k, item in enumerate(items):
+            dedup_id = item[5]
+            if dedup_id:
+                ref: Any = (tuple((name, first + k) for name, first in targets) if virtual
+                            else targets[0][1] + k)
+                table.add(dedup_id, ref, accepted_ms, removed, added)
+        if undo is not None:
+            undo.append((_UNDEDUP, owner, virtual, removed, added))
+        return targets
+
+    def _apply_clear(self, entry: Clear, undo: list[Any] | None) -> int:
+        """-> how many messages were removed."""
+        queue = self.queues.get(entry.queue)
+        if queue is None:
+            return 0
+        count = len(queue.messages)
+        held = queue.swap_messages()
+        if undo is not None:
+            undo.append((_UNCLEAR, entry.queue, held))
+        self._track_finals(queue)
+        return count
 
     def _apply_confirm(self, entry: Confirm, undo: list[Any] | None) -> bool:
         name, msg_id = entry
@@ -1092,8 +1603,16 @@ class Store:
         msg = queue.messages.pop(msg_id, None)
         if msg is None:
             return False
+        priorities = queue.priorities
+        if priorities and msg_id in priorities:
+            if undo is not None:
+                undo.append((_RESTORE, name, msg_id, msg, priorities[msg_id]))
+            queue.unindex(msg_id, msg)
+            del priorities[msg_id]
+            self._track_finals(queue)
+            return True
         if undo is not None:
-            undo.append((_RESTORE, name, msg_id, msg))
+            undo.append((_RESTORE, name, msg_id, msg, None))
         # Queue.unindex, with the retrying case inline (the hot path: a
         # consumer confirms what it was delivered).
         if msg[RETRY_AT_MS] and (len(msg) == _SHORT or not msg[FINAL]):
@@ -1118,49 +1637,89 @@ class Store:
                 if created:
                     del queues[name]
             elif tag is _RESTORE:
-                _, name, msg_id, msg = op
+                _, name, msg_id, msg, priority = op
                 queue = queues[name]
                 current = queue.messages.get(msg_id)
                 if current is not None:
                     queue.unindex(msg_id, current)
                 queue.messages[msg_id] = msg
+                if priority is not None:
+                    queue.priorities[msg_id] = priority
                 queue.index(msg_id, msg)
                 self._track_finals(queue)
             elif tag is _RECOUNT:
                 queues[op[1]].dead_lettered = op[2]
+            elif tag is _UNPRODUCE_MANY:
+                _, name, first, count, prev_max_id, created = op
+                queue = queues[name]
+                for msg_id in range(first + count - 1, first - 1, -1):  # newest first
+                    msg = queue.messages.pop(msg_id)
+                    queue.unindex(msg_id, msg)
+                    queue.priorities.pop(msg_id, None)
+                queue.max_id = prev_max_id
+                if created:
+                    del queues[name]
+            elif tag is _UNDEDUP:
+                _, owner, virtual, removed, added = op
+                if virtual:
+                    table = self.vdedup[owner]
+                    table.undo(removed, added)
+                    if not table.ids:
+                        del self.vdedup[owner]
+                else:
+                    queues[owner].dedup.undo(removed, added)
+            elif tag is _UNCLEAR:
+                queue = queues[op[1]]
+                queue.swap_messages(op[2])
+                self._track_finals(queue)
             else:  # _RESET
                 _, name, before, created = op
                 if created:
                     del queues[name]
                 else:
-                    for key, value in before:
-                        setattr(queues[name], key, value)
+                    queues[name].config = before
+                    self._settle(queues[name])
 
     # -- whole-state views -------------------------------------------------
+
+    def wire_items(self) -> Iterator[tuple[str, int, Iterator[tuple[Any, ...]], dict[str, Any]]]:
+        """The state, lazily, as (name, max_id, rows, extras) per queue in
+        name order, then per virtual queue's dedup table (max_id 0, no
+        rows, extras {"virtual": true, "dedup": [...]}). A row is (msg_id,
+        *message), and the priority last for a prioritized message (rows
+        of 7, 11 or 14 values; 6, 10 or 13 without). The store must not
+        change until the iteration ends. O(n log n)."""
+        for name in sorted(self.queues):
+            q = self.queues[name]
+            yield name, q.max_id, _rows(q), q.extras()
+        for name in sorted(self.vdedup):
+            table = self.vdedup[name]
+            if table.ids:
+                yield name, 0, iter(()), {"virtual": True, "dedup": table.to_wire()}
 
     def to_wire(self) -> list[Any]:
         """The whole state as a canonical, msgpack-friendly value: two stores
         are equal iff their `to_wire()` values are. O(n)."""
         out: list[Any] = []
-        for name in sorted(self.queues):
-            q = self.queues[name]
-            msgs = [[i, *m] for i, m in sorted(q.messages.items())]
-            extras = q.extras()
-            out.append([name, q.max_id, msgs, extras] if extras else [name, q.max_id, msgs])
+        for name, max_id, rows, extras in self.wire_items():
+            msgs = [list(row) for row in rows]
+            out.append([name, max_id, msgs, extras] if extras else [name, max_id, msgs])
         return out
 
     def load_wire(self, state: Sequence[Any] | SnapshotLoader) -> None:
         """Replace the state with one produced by `to_wire()`, or with the
         one a `snapshot_loader()` has been fed. O(n log n)."""
-        if isinstance(state, SnapshotLoader):
-            self.queues = state.finish()
-            self.final_queues = {name for name, q in self.queues.items() if q.finals}
-            return
-        loader = SnapshotLoader()
-        for item in state:
-            loader.queue(item[0], item[1], item[3] if len(item) > 3 else None)
-            loader.messages(item[2])
-        self.queues = loader.finish()
+        if not isinstance(state, SnapshotLoader):
+            loader = SnapshotLoader()
+            for item in state:
+                loader.queue(item[0], item[1], item[3] if len(item) > 3 else None)
+                if item[2]:
+                    loader.messages(item[2])
+            state = loader
+        self.queues = state.finish()
+        self.vdedup = state.vdedup
+        for queue in self.queues.values():
+            self._settle(queue)
         self.final_queues = {name for name, q in self.queues.items() if q.finals}
 
     def snapshot_loader(self) -> SnapshotLoader:
@@ -1176,6 +1735,23 @@ class Store:
             if name != queue.name:
                 raise InvariantError(f"queue {queue.name} filed under {name}")
             queue._check()
+            if len(queue.dedup.ids) > DEDUP_MAX_IDS:
+                raise InvariantError(f"queue {name}: dedup table over its bound")
+        for name, table in self.vdedup.items():
+            if name in self.queues or not table.ids:
+                raise InvariantError(f"virtual dedup table {name} beside a queue, or empty")
+
+
+def _rows(queue: Queue) -> Iterator[tuple[Any, ...]]:
+    """A queue's messages as snapshot rows (see Store.wire_items)."""
+    messages = queue.messages
+    priorities = queue.priorities
+    for msg_id in sorted(messages):
+        priority = priorities.get(msg_id) if priorities else None
+        if priority is None:
+            yield (msg_id, *messages[msg_id])
+        else:
+            yield (msg_id, *messages[msg_id], priority)
 
 
 class SnapshotLoader:
@@ -1187,11 +1763,14 @@ class SnapshotLoader:
     keys to `pending`.
     """
 
-    __slots__ = ("queues", "_queue", "_pending", "_retrying", "_finals", "_last_ready",
-                 "_last_ttl")
+    __slots__ = ("queues", "vdedup", "_queue", "_pending", "_retrying", "_finals", "_pdelayed",
+                 "_pretrying", "_last_ready", "_last_ttl")
 
     def __init__(self) -> None:
         self.queues: dict[str, Queue] = {}
+        self.vdedup: dict[str, DedupTable] = {}  # virtual queues' dedup tables
+        self._pdelayed: list[int] = []  # keys of prioritized messages, sorted at the end
+        self._pretrying: list[int] = []
         self._queue: Queue | None = None  # the queue messages go to
         self._pending: list[int] = []  # its index keys (not the FIFO's), sorted at the end
         self._retrying: list[int] = []
@@ -1202,21 +1781,44 @@ class SnapshotLoader:
         """A queue begins; `extras` as `Queue.extras()` gave them. Raises
         ValueError on bad extras."""
         self._close_queue()
+        if extras and extras.get("virtual") is True:  # a virtual queue's dedup table
+            if set(extras) != {"virtual", "dedup"} or max_id:
+                raise ValueError(f"virtual queue {name}: malformed dedup table")
+            self.vdedup[name] = DedupTable.from_wire(extras["dedup"], f"virtual queue {name}")
+            return  # (no messages may follow: `messages` refuses them)
         q = self._queue = self.queues[name] = Queue(name)
         q.max_id = max_id
         if extras:
             q.load_extras(extras)
 
     def messages(self, batch: Iterable[Sequence[Any]]) -> None:
-        # The sink's protocol: queue() came first, so there is a queue; no
-        # check here (a snapshot's millions of messages come through).
-        q: Queue = self._queue  # type: ignore[assignment]
+        # The sink's protocol: queue() came first (one check per chunk of
+        # thousands of messages).
+        q = self._queue
+        if q is None:
+            raise ValueError("snapshot messages outside a queue")
         messages, pending, retrying = q.messages, self._pending, self._retrying
         fifo, fifo_ready = q.fifo, q.fifo_ready
         last_ready, last_ttl = self._last_ready, self._last_ttl
         for row in batch:
-            if len(row) != 6:  # delivered before, or a dead letter
+            if len(row) != 6:  # delivered before, a dead letter, or prioritized
                 msg_id = row[0]
+                if len(row) in _PRIORITIZED_ROWS:
+                    priority = row[-1]
+                    if type(priority) is not int or priority == DEFAULT_PRIORITY \
+                            or not 0 <= priority < 1 << 31:
+                        raise ValueError(f"queue {q.name}: bad priority {priority!r}")
+                    msg = tuple(row[1:-1])
+                    messages[msg_id] = msg
+                    q.priorities[msg_id] = priority
+                    retry_at_ms = msg[RETRY_AT_MS]
+                    if retry_at_ms and len(msg) > _SHORT and msg[FINAL]:
+                        self._finals.append(retry_at_ms << _ID_BITS | msg_id)
+                    elif retry_at_ms:
+                        self._pretrying.append(retry_at_ms << _ID_BITS | msg_id)
+                    else:
+                        self._pdelayed.append(msg[READY_MS] << _ID_BITS | msg_id)
+                    continue
                 msg = tuple(row[1:])
                 messages[msg_id] = msg
                 retry_at_ms = msg[RETRY_AT_MS]
@@ -1255,7 +1857,10 @@ class SnapshotLoader:
             self._queue.pending.update(self._pending)
             self._queue.retrying.update(self._retrying)
             self._queue.finals.update(self._finals)
+            self._queue.pdelayed.update(self._pdelayed)
+            self._queue.pretrying.update(self._pretrying)
             self._pending, self._retrying, self._finals = [], [], []
+            self._pdelayed, self._pretrying = [], []
             self._queue = None
 
     def finish(self) -> dict[str, Queue]:

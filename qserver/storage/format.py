@@ -296,10 +296,12 @@ def frame_offsets(buf: bytes | bytearray | memoryview, limit: int | None = None)
 # -- snapshots --------------------------------------------------------------
 
 _SNAP_MAGIC = b"QSNP"
-_SNAP_VERSION = 2
-_SNAP_VERSIONS = (1, 2)  # what decode_snapshot reads
-# The lengths of a message row: 1 + a message tuple's (store.py, Message).
+_SNAP_VERSION = 3
+_SNAP_VERSIONS = (1, 2, 3)  # what decode_snapshot reads
+# The lengths of a message row: 1 + a message tuple's (store.py, Message),
+# and from version 3, + 1 for a prioritized message's priority.
 _ROW_LENGTHS = (6, 10, 13)
+_ROW_LENGTHS_V3 = (6, 7, 10, 11, 13, 14)
 _SNAP_HEADER = struct.Struct(">4sBQQ")  # magic, version, trans_id, vote_id
 _U32 = struct.Struct(">I")
 _QUEUE, _MESSAGES, _END = 0, 1, 2
@@ -327,11 +329,7 @@ def store_wire_iter(
     consumes it within one call). Cost: O(n log n) for the sorts, O(n) ids
     held at a time for the largest queue.
     """
-    for name in sorted(store.queues):
-        queue = store.queues[name]
-        messages = queue.messages
-        yield (name, queue.max_id, ((i, *messages[i]) for i in sorted(messages)),
-               queue.extras())
+    return store.wire_items()
 
 
 def encode_snapshot_chunks(trans_id: int, vote_id: int,
@@ -486,7 +484,7 @@ def decode_snapshot(data: bytes | bytearray | memoryview | Iterable[bytes],
     if version not in _SNAP_VERSIONS:
         raise ValueError(f"snapshot version {version} unknown (this build reads "
                          f"{', '.join(map(str, _SNAP_VERSIONS))})")
-    rows = (6,) if version == 1 else _ROW_LENGTHS
+    rows = (6,) if version == 1 else _ROW_LENGTHS if version == 2 else _ROW_LENGTHS_V3
     state: list[Any] = []
     messages: list[Any] | None = None
     n_messages = 0

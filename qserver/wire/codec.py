@@ -46,8 +46,11 @@ __all__ = [
     "MAX_UDP_PAYLOAD",
 ]
 
-# design.md: 64 KiB by default; queue_server advised TCP above 2 KiB of data.
-DEFAULT_MAX_REQUEST_SIZE = 64 * 1024
+# The default <limits max_request_size>: 1 MiB, so that a batch produce of
+# 1,000 messages (protocol-v2's largest batch) fits in one request (design.md
+# had 64 KiB before batches; queue_server advised TCP above 2 KiB of data).
+# UDP stays bounded by the datagram (Config.max_udp_request_size).
+DEFAULT_MAX_REQUEST_SIZE = 1024 * 1024
 
 # The largest payload one IPv4 UDP datagram can carry.
 MAX_UDP_PAYLOAD = 65_507

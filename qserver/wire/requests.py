@@ -31,6 +31,9 @@ from ..errors import BadRequest
 __all__ = [
     "Action",
     "ProduceRequest",
+    "ProduceItem",
+    "ProduceBatchRequest",
+    "ClearRequest",
     "ConsumeRequest",
     "ConfirmRequest",
     "NackRequest",
@@ -41,7 +44,6 @@ __all__ = [
     "MonitorRequest",
     "ListRequest",
     "LeaderRequest",
-    "UnsupportedRequest",
     "Request",
     "parse_request",
     "MAX_QUEUE_NAME",
@@ -50,6 +52,13 @@ __all__ = [
     "MAX_COUNT",
     "MAX_DELIVERIES",
     "MAX_QUEUES",
+    "MAX_PRIORITY",
+    "DEFAULT_PRIORITY",
+    "MAX_DEDUP_ID",
+    "MAX_BATCH",
+    "MAX_QUEUE_SIZE",
+    "MAX_DEDUP_WINDOW_MS",
+    "PAUSED_STATES",
     "Receipt",
     "parse_receipt",
 ]
@@ -95,6 +104,22 @@ MAX_DELIVERIES = 1_000_000
 MAX_QUEUES = 16
 # A receipt we hand out is three integers and two dots: far below this.
 MAX_RECEIPT = 64
+# Priorities (beanstalkd's convention): 0 to 2^31-1, lower first; a
+# message produced without one has the default.
+MAX_PRIORITY = 2**31 - 1
+DEFAULT_PRIORITY = 1024
+# A dedup id: long enough for a UUID, a hash or "order-id:version" keys
+# (SQS takes 128 characters too).
+MAX_DEDUP_ID = 128
+# Messages in one batch produce (protocol-v2: one log entry).
+MAX_BATCH = 1000
+# The largest per-queue max_size (as <queue_config queue_size>).
+MAX_QUEUE_SIZE = 2**40
+# The longest dedup window: 7 days (SQS keeps 5 minutes, NATS 2; a week
+# covers any replay a producer could sensibly attempt).
+MAX_DEDUP_WINDOW_MS = 7 * 24 * 3600 * 1000
+# A queue's `paused` values: in stops produce, out stops consume.
+PAUSED_STATES = ("none", "in", "out", "all")
 
 # A receipt as parsed: (epoch, msg_id, deliveries); (0, 0, 0) for a string
 # that is no receipt of ours (it matches no delivery: "stale receipt").
@@ -108,6 +133,30 @@ class ProduceRequest(NamedTuple):
     delay_s: float | None  # None = now
     ttl_s: float | None  # None = delay + 3600 s
     retry_s: float  # 0 = at-most-once
+
+
+class ProduceItem(NamedTuple):
+    """One message of a `ProduceBatchRequest`, its times as the client sent them."""
+
+    data: str
+    delay_s: float | None
+    ttl_s: float | None
+    retry_s: float
+    priority: int  # DEFAULT_PRIORITY when not given
+    dedup_id: str  # "" = none
+
+
+class ProduceBatchRequest(NamedTuple):
+    """A produce with what a plain ProduceRequest lacks: `messages` (a
+    batch), a `priority` or a `dedup_id`."""
+
+    queue: str
+    items: tuple[ProduceItem, ...]
+    batch: bool  # `messages` was given: the answer lists msg_ids
+
+
+class ClearRequest(NamedTuple):
+    queue: str
 
 
 class ConsumeRequest(NamedTuple):
@@ -167,15 +216,9 @@ class LeaderRequest(NamedTuple):
     """Action 8: where the master is."""
 
 
-class UnsupportedRequest(NamedTuple):
-    """Action 6 (clear): queue_server answered "not support"."""
-
-    action: int
-
-
-Request = (ProduceRequest | ConsumeRequest | ConfirmRequest | NackRequest | TouchRequest
-           | ShowRequest | PeekRequest | ConfigRequest | MonitorRequest | ListRequest
-           | LeaderRequest | UnsupportedRequest)
+Request = (ProduceRequest | ProduceBatchRequest | ConsumeRequest | ConfirmRequest | NackRequest
+           | TouchRequest | ShowRequest | PeekRequest | ConfigRequest | ClearRequest
+           | MonitorRequest | ListRequest | LeaderRequest)
 
 
 @overload
@@ -217,7 +260,7 @@ def _plain_time(value: object) -> bool:
     return value is None or (type(value) is int and 0 <= value <= MAX_TIME_S)
 
 
-def _produce(obj: dict[str, Any]) -> ProduceRequest:
+def _produce(obj: dict[str, Any]) -> ProduceRequest | ProduceBatchRequest:
     # Fast path for the shape nearly every client sends (string queue and
     # data, integer times); anything else goes through the checks below,
     # which produce the reasons.
@@ -225,30 +268,98 @@ def _produce(obj: dict[str, Any]) -> ProduceRequest:
     queue, data, delay, ttl, retry = (get("queue"), get("data"), get("delay"), get("ttl"),
                                       get("retry"))
     if (type(queue) is str and 0 < len(queue) <= MAX_QUEUE_NAME and type(data) is str
-            and _plain_time(delay) and _plain_time(ttl) and _plain_time(retry)):
+            and _plain_time(delay) and _plain_time(ttl) and _plain_time(retry)
+            and "priority" not in obj and "dedup_id" not in obj and "messages" not in obj):
         return ProduceRequest(queue, data, delay, ttl, retry or 0)
     return _produce_checked(obj)
 
 
-def _produce_checked(obj: dict[str, Any]) -> ProduceRequest:
-    queue = _queue(obj)
-    data = obj.get("data")
-    if data is None:
-        raise BadRequest("missing field: data")
-    if type(data) is not str:
-        raise BadRequest("data must be a string")
-    delay = _time(obj, "delay")
-    ttl = _time(obj, "ttl")
+def _retry(obj: dict[str, Any]) -> float:
     retry = obj.get("retry", 0)
     if retry is None:
-        retry = 0
+        return 0
     if type(retry) is not int and type(retry) is not float:
         raise BadRequest("retry must be a number")
     if retry < 0:
         raise BadRequest("retry must not be negative")
     if retry > MAX_TIME_S:
         raise BadRequest("retry out of range")
-    return ProduceRequest(queue, data, delay, ttl, retry)
+    return retry
+
+
+def _priority(obj: dict[str, Any], default: int) -> int:
+    value = obj.get("priority")
+    if value is None:
+        return default
+    if type(value) is not int or not 0 <= value <= MAX_PRIORITY:
+        raise BadRequest(f"priority must be an integer from 0 to {MAX_PRIORITY}")
+    return value
+
+
+def _dedup_id(obj: dict[str, Any]) -> str:
+    value = obj.get("dedup_id")
+    if value is None:
+        return ""
+    if type(value) is not str or not 0 < len(value) <= MAX_DEDUP_ID:
+        raise BadRequest(f"dedup_id must be a string of 1 to {MAX_DEDUP_ID} characters")
+    return value
+
+
+def _data(obj: dict[str, Any]) -> str:
+    data = obj.get("data")
+    if data is None:
+        raise BadRequest("missing field: data")
+    if type(data) is not str:
+        raise BadRequest("data must be a string")
+    return data
+
+
+def _produce_checked(obj: dict[str, Any]) -> ProduceRequest | ProduceBatchRequest:
+    queue = _queue(obj)
+    if obj.get("messages") is not None:
+        return _produce_batch(obj, queue)
+    data = _data(obj)
+    delay = _time(obj, "delay")
+    ttl = _time(obj, "ttl")
+    retry = _retry(obj)
+    priority = _priority(obj, DEFAULT_PRIORITY)
+    dedup_id = _dedup_id(obj)
+    if obj.get("priority") is None and not dedup_id:
+        return ProduceRequest(queue, data, delay, ttl, retry)
+    return ProduceBatchRequest(
+        queue, (ProduceItem(data, delay, ttl, retry, priority, dedup_id),), False)
+
+
+def _produce_batch(obj: dict[str, Any], queue: str) -> ProduceBatchRequest:
+    """`messages`: each item's fields checked as a single produce's, its
+    reason prefixed with its index; the top-level delay, ttl, retry and
+    priority are the defaults of every item."""
+    if obj.get("data") is not None:
+        raise BadRequest("give data or messages, not both")
+    if obj.get("dedup_id") is not None:
+        raise BadRequest("dedup_id goes on each message of a batch")
+    raw = obj["messages"]
+    if type(raw) is not list or not 1 <= len(raw) <= MAX_BATCH:
+        raise BadRequest(f"messages must be a list of 1 to {MAX_BATCH} messages")
+    delay = _time(obj, "delay")
+    ttl = _time(obj, "ttl")
+    retry = _retry(obj)
+    priority = _priority(obj, DEFAULT_PRIORITY)
+    items = []
+    for index, item in enumerate(raw):
+        try:
+            if type(item) is not dict:
+                raise BadRequest("must be an object")
+            get = item.get
+            items.append(ProduceItem(
+                _data(item),
+                delay if get("delay") is None else _time(item, "delay"),
+                ttl if get("ttl") is None else _time(item, "ttl"),
+                retry if get("retry") is None else _retry(item),
+                _priority(item, priority), _dedup_id(item)))
+        except BadRequest as exc:
+            raise BadRequest(f"messages[{index}]: {exc.reason}") from None
+    return ProduceBatchRequest(queue, tuple(items), True)
 
 
 def _msg_id(obj: dict[str, Any]) -> int:
@@ -357,6 +468,20 @@ def _settings(obj: dict[str, Any]) -> dict[str, Any]:
             if type(value) is not str or len(value) > MAX_QUEUE_NAME:
                 raise BadRequest(f"bad value for dead_letter: must be a queue name (1 to "
                                  f"{MAX_QUEUE_NAME} characters), or null for none")
+        elif name == "max_size":
+            if type(value) is not int or not 0 <= value <= MAX_QUEUE_SIZE:
+                raise BadRequest(f"bad value for max_size: must be an integer from 1 to "
+                                 f"{MAX_QUEUE_SIZE}, or 0 for the node's queue_size")
+        elif name == "dedup_window":
+            if (type(value) is not int and type(value) is not float) \
+                    or not 0 <= value * 1000 <= MAX_DEDUP_WINDOW_MS:
+                raise BadRequest(f"bad value for dedup_window: must be a number of seconds "
+                                 f"from 0 (off) to {MAX_DEDUP_WINDOW_MS // 1000}")
+            name, value = "dedup_window_ms", round(value * 1000)
+        elif name == "paused":
+            if value not in PAUSED_STATES or type(value) is not str:
+                raise BadRequest(f"bad value for paused: must be one of "
+                                 f"{', '.join(PAUSED_STATES)}")
         else:
             raise BadRequest(f"unknown setting: {name}")
         out[name] = value
@@ -409,5 +534,5 @@ def parse_request(obj: object) -> Request:
     if action == 8:
         return LeaderRequest()
     if action == 6:
-        return UnsupportedRequest(action)
+        return ClearRequest(_queue(obj))
     raise BadRequest("invalid action")
