@@ -107,7 +107,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from ...errors import InvariantError
-from ...state.entries import Entry, Noop, Record
+from ...state.entries import Entry, Noop, Record, entry_weight
 from ...state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ...state.store import SnapshotLoader, Store
 from ..base import Done, EngineStatus, JsonObject, LeaderInfo, Role
@@ -130,6 +130,21 @@ OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
 # The most records one Push may carry, whatever the sync_rate budget: keeps
 # one message (and one event-loop turn on both ends) small.
 MAX_BATCH_RECORDS = 2_000
+# ...and about the most bytes (entries.entry_weight): a batch produce is up
+# to a request's size (1 MiB by default), so 2,000 of them would pass the
+# peers' frame limit (64 MiB), which a push must stay far below.
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+
+
+def _within_bytes(records: Sequence[Record]) -> int:
+    """How many of `records`, from the first, fit in MAX_BATCH_BYTES (at
+    least one). O(len(records))."""
+    total = 0
+    for n, record in enumerate(records):
+        total += entry_weight(record.entry)
+        if total > MAX_BATCH_BYTES and n:
+            return n
+    return len(records)
 
 
 class Rng(Protocol):
@@ -661,12 +676,20 @@ class NativeCore:
         """Push everything appended since the last push to in-step slaves."""
         start = self.pushed_upto
         last = self.log.last_trans_id
-        records = None
+        pushes: list[tuple[int, tuple[Record, ...]]] | None = None
         for peer in self.peers.values():
             if peer.sent_upto == start:
-                if records is None:
-                    records = tuple(self.log.slice(start + 1, last - start))
-                self._send_push(peer, start, records)
+                if pushes is None:  # one push, or several in order if they are large
+                    pushes = []
+                    pending = self.log.slice(start + 1, last - start)
+                    prev = start
+                    while pending:
+                        n = _within_bytes(pending)
+                        pushes.append((prev, tuple(pending[:n])))
+                        prev += n
+                        del pending[:n]
+                for prev, records in pushes:
+                    self._send_push(peer, prev, records)
                 peer.sent_upto = last
         self.pushed_upto = last
 
@@ -723,6 +746,7 @@ class NativeCore:
             return
         budget = int(min(peer.tokens, MAX_BATCH_RECORDS))
         records = log.slice(common + 1, budget)
+        del records[_within_bytes(records):]
         peer.tokens -= len(records)
         self._send_push(peer, common, records)
         peer.sent_upto = common + len(records)

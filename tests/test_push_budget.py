@@ -1,0 +1,97 @@
+"""The native master keeps each Push far below the peers' frame limit: a
+push of new records, and a push that answers a slave's pull, carry at most
+MAX_BATCH_BYTES of entries (entries.entry_weight), in several pushes in
+order when there is more, so that 1 MiB batch produces cannot build one
+message over the 64 MiB frame limit (which the link would refuse to send,
+stalling that slave)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qserver.engines.base import LeaderInfo
+from qserver.engines.messages import Pull, Push
+from qserver.engines.native import core as core_module
+from qserver.engines.native.core import NativeCore
+from qserver.state.entries import entry_weight
+from qserver.state.log import Log
+from qserver.state.store import Store
+from qserver.wire.requests import ProduceBatchRequest, ProduceItem
+
+NOW = 1_700_000_000_000
+BUDGET = 4000
+
+
+@pytest.fixture(autouse=True)
+def small_budget(monkeypatch):
+    monkeypatch.setattr(core_module, "MAX_BATCH_BYTES", BUDGET)
+
+
+def master_of_three() -> NativeCore:
+    m = NativeCore(node_id=1, peer_ids=[1, 2, 3], store=Store(queue_size=10_000), log=Log(),
+                   me=LeaderInfo(node_id=1, host="127.0.0.1", port=1001),
+                   rng=random.Random(1), now_ms=NOW)
+    m.vote_id = 1
+    m._become_master(NOW)  # as if elected (elections are tested in test_sim_*)
+    m.take_ready(NOW)
+    return m
+
+
+def batch(m: NativeCore, n: int, size: int) -> None:
+    items = tuple(ProduceItem("x" * size, None, None, 0, 1024, "") for _ in range(n))
+    decided = m.store.decide_produce_batch(ProduceBatchRequest("q", items, True), NOW)
+    assert not isinstance(decided, str) and decided[0] is not None
+    m.propose(decided[0], lambda result, error: None)
+
+
+def pushes_to(ready, peer: int) -> list[Push]:
+    return [msg for dst, msg in ready.messages if dst == peer and isinstance(msg, Push)]
+
+
+def assert_chained_within_budget(pushes: list[Push], first_prev: int, last: int) -> None:
+    prev = first_prev
+    for push in pushes:
+        assert push.prev_trans_id == prev
+        assert push.records, "no empty push"
+        weights = [entry_weight(r.entry) for r in push.records]
+        assert len(weights) == 1 or sum(weights) <= BUDGET
+        assert [r.trans_id for r in push.records] == list(range(prev + 1,
+                                                                prev + 1 + len(weights)))
+        prev += len(weights)
+    assert prev == last
+
+
+def test_new_records_over_the_budget_go_out_in_several_pushes_in_order():
+    m = master_of_three()
+    start = m.log.last_trans_id
+    for _ in range(7):
+        batch(m, 3, 500)  # ~1.6 KB each by weight: two fit in one push
+    ready = m.take_ready(NOW)
+    for peer in (2, 3):
+        pushes = pushes_to(ready, peer)
+        assert len(pushes) >= 3
+        assert_chained_within_budget(pushes, start, m.log.last_trans_id)
+
+
+def test_one_record_over_the_budget_is_still_sent_alone():
+    m = master_of_three()
+    start = m.log.last_trans_id
+    batch(m, 10, 1000)  # one entry of ~10 KB: over the budget on its own
+    batch(m, 1, 10)
+    pushes = pushes_to(m.take_ready(NOW), 2)
+    assert [len(p.records) for p in pushes] == [1, 1]
+    assert_chained_within_budget(pushes, start, m.log.last_trans_id)
+
+
+def test_a_pull_is_answered_within_the_budget():
+    m = master_of_three()
+    for _ in range(6):
+        batch(m, 3, 500)
+    m.take_ready(NOW)
+    m.step(Pull(vote_id=m.vote_id, node_id=2, trans_id=0, log_vote_id=0), NOW)
+    pushes = pushes_to(m.take_ready(NOW), 2)
+    assert len(pushes) == 1 and pushes[0].prev_trans_id == 0
+    weights = [entry_weight(r.entry) for r in pushes[0].records]
+    assert 1 <= len(weights) < m.log.last_trans_id and sum(weights) <= BUDGET
