@@ -12,7 +12,8 @@ A second SIGINT/SIGTERM during shutdown forces the exit.
 Client commands, against any node (`-s HOST:PORT`, repeatable; default
 127.0.0.1:1111), through `qserver.client.Client`:
 
-    qserver produce QUEUE DATA [--delay S] [--ttl S] [--retry S]
+    qserver produce QUEUE DATA [--delay S] [--ttl S] [--retry S] [--priority N] [--dedup-id ID]
+    qserver produce QUEUE - [--delay S] [--ttl S] [--retry S] [--priority N]
     qserver consume QUEUE [QUEUE ...] [--count N] [--wait S] [--lease S] [--ack]
     qserver confirm QUEUE MSG_ID [--receipt R]
     qserver nack QUEUE MSG_ID [--receipt R] [--delay S]
@@ -20,6 +21,9 @@ Client commands, against any node (`-s HOST:PORT`, repeatable; default
     qserver show QUEUE MSG_ID
     qserver peek QUEUE [--count N]
     qserver config QUEUE [KEY=VALUE ...]
+    qserver pause QUEUE [in|out|all]
+    qserver resume QUEUE
+    qserver clear QUEUE
     qserver monitor [QUEUE]
     qserver list [PATTERN]
     qserver leader
@@ -41,8 +45,17 @@ deliveries, receipt}), which `confirm`, `nack` and `touch` take with
 is a long poll, `--lease S` the seconds before an unconfirmed delivery comes
 back, `--ack` confirms each message with its receipt once printed. `config`
 without KEY=VALUE prints the queue's settings; with them it changes them
-(values: integers as integers, an empty value as none, and for dead_letter
-also `none`).
+(values: integers as integers, decimals as numbers, an empty value as none,
+and for dead_letter also `none`).
+
+`produce QUEUE -` reads one message per line from stdin (the line without
+its end; an empty line is an empty message) and sends them as batch
+produces of up to 1,000 lines, one at a time: each batch is stored whole or
+not at all, and the msg_ids of the stored ones are printed one per line as
+they are (`--json`: the list, at the end). `--dedup-id` goes with one
+message only; with it, `produce` says whether the message was a duplicate
+(nothing stored; the first produce's msg_id). `pause` stops producers
+(`in`), consumers (`out`) or both (`all`, the default) until `resume`.
 """
 
 from __future__ import annotations
@@ -51,12 +64,13 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any
 
 from .config import Config, load_config, log_level
-from .errors import ConfigError, InvalidArgument, QServerClientError
+from .errors import ConfigError, InvalidArgument, QServerClientError, ServerError
 from .storage import StorageError
 
 __all__ = ["main"]
@@ -160,7 +174,12 @@ DEFAULT_SERVER = "127.0.0.1:1111"
 CLI_RETRY_FOR_S = 3.0
 
 CLIENT_COMMANDS = ("produce", "consume", "confirm", "nack", "touch", "show", "peek", "config",
-                   "monitor", "list", "leader", "status")
+                   "pause", "resume", "clear", "monitor", "list", "leader", "status")
+
+# Lines of `produce QUEUE -` per batch produce: the protocol's most messages
+# per batch (one request each, sent one after the other, so that what was
+# printed is exactly what was stored when a batch is refused).
+STDIN_BATCH = 1000
 
 
 def _add_client_commands(sub) -> None:
@@ -173,9 +192,11 @@ def _add_client_commands(sub) -> None:
     common.add_argument("--retry-for", type=float, default=CLI_RETRY_FOR_S, metavar="S",
                         help=f"seconds to retry other nodes or wait for a master "
                              f"(default {CLI_RETRY_FOR_S:g})")
-    produce = sub.add_parser("produce", parents=[common], help="produce a message")
+    produce = sub.add_parser("produce", parents=[common],
+                             help="produce a message (DATA), or one per line of stdin (-)")
     produce.add_argument("queue")
-    produce.add_argument("data")
+    produce.add_argument("data", help="the message, or - to read one message per line "
+                                      "from stdin (sent in batches of up to 1,000)")
     produce.add_argument("--delay", type=float, metavar="S",
                          help="seconds from now (or an absolute unix time) before it is ready")
     produce.add_argument("--ttl", type=float, metavar="S",
@@ -183,6 +204,11 @@ def _add_client_commands(sub) -> None:
     produce.add_argument("--retry", type=float, default=0, metavar="S",
                          help="redeliver S seconds after each consume until confirmed "
                               "(default 0: at most once)")
+    produce.add_argument("--priority", type=int, metavar="N",
+                         help="0 to 2147483647, lower first (default 1024)")
+    produce.add_argument("--dedup-id", metavar="ID",
+                         help="stored once: a produce with the same ID within the queue's "
+                              "dedup_window (default 300 s) stores nothing")
     consume = sub.add_parser("consume", parents=[common],
                              help="consume the next ready message(s)")
     consume.add_argument("queues", nargs="+", metavar="QUEUE",
@@ -230,7 +256,19 @@ def _add_client_commands(sub) -> None:
                             help="a queue's settings; KEY=VALUE changes them")
     config.add_argument("queue")
     config.add_argument("settings", nargs="*", metavar="KEY=VALUE",
-                        help="max_deliveries=N (0: unlimited), dead_letter=QUEUE (none: none)")
+                        help="max_deliveries=N (0: unlimited), dead_letter=QUEUE (none: none), "
+                             "max_size=N (0: the node's queue_size), dedup_window=S (0: off), "
+                             "paused=none|in|out|all")
+    pause = sub.add_parser("pause", parents=[common],
+                           help="stop producers (in), consumers (out) or both (all) of a queue")
+    pause.add_argument("queue")
+    pause.add_argument("what", nargs="?", default="all", choices=("in", "out", "all"),
+                       help="in: produce refused; out: nothing delivered; all (default): both")
+    resume = sub.add_parser("resume", parents=[common], help="undo pause")
+    resume.add_argument("queue")
+    clear = sub.add_parser("clear", parents=[common],
+                           help="remove every message of a queue (in flight included)")
+    clear.add_argument("queue")
     monitor = sub.add_parser("monitor", parents=[common],
                              help="the master's view of the cluster and of a queue")
     monitor.add_argument("queue", nargs="?")
@@ -271,19 +309,87 @@ def _client_main(args) -> int:
     return 0
 
 
-def _emit(args, result: object, text: str) -> None:
+def _emit(args, result: object, text: str | None) -> None:
+    """Print the result: JSON with --json, else `text` (None: printed
+    already)."""
     if args.json:
         import orjson
         sys.stdout.write(orjson.dumps(result, option=orjson.OPT_APPEND_NEWLINE).decode())
-    else:
+    elif text is not None:
         print(text)
 
 
-def _cmd_produce(client, args) -> tuple[object, str]:
-    ids = client.produce_ids(args.queue, args.data, delay=args.delay, ttl=args.ttl,
-                             retry=args.retry)
-    result = {"queue": args.queue, "msg_id": next(iter(ids.values())), "msg_ids": ids}
-    return result, "\n".join(f"produced msg_id {i} in {q}" for q, i in ids.items())
+def _cmd_produce(client, args) -> tuple[object, str | None]:
+    options = {"delay": args.delay, "ttl": args.ttl, "retry": args.retry,
+               "priority": args.priority}
+    if args.data == "-":
+        if args.dedup_id is not None:
+            raise InvalidArgument("--dedup-id names one message: not with DATA -")
+        return _produce_stdin(client, args, options)
+    if args.dedup_id is None:
+        ids = client.produce_ids(args.queue, args.data, **options)
+        result: dict[str, Any] = {"queue": args.queue, "msg_id": next(iter(ids.values())),
+                                  "msg_ids": ids}
+        return result, "\n".join(f"produced msg_id {i} in {q}" for q, i in ids.items())
+    # The single produce, read whole: its answer says whether it was a
+    # duplicate (`produce` and `produce_ids` give the ids only).
+    from .client import produce_request
+    from .client.core import server_error
+
+    response = client.request(produce_request(args.queue, args.data, dedup_id=args.dedup_id,
+                                              **options))
+    if response.get("code") != 0:
+        raise server_error(response)
+    ids = response.get("msg_ids")
+    if not isinstance(ids, dict):
+        ids = {args.queue: response["msg_id"]}
+    duplicate = response.get("duplicate") is True
+    result = {"queue": args.queue, "msg_id": response["msg_id"], "msg_ids": ids,
+              "duplicate": duplicate}
+    verb = "duplicate of" if duplicate else "produced"
+    tail = " (nothing stored)" if duplicate else ""
+    return result, "\n".join(f"{verb} msg_id {i} in {q}{tail}" for q, i in ids.items())
+
+
+def _produce_stdin(client, args, options: dict) -> tuple[object, None]:
+    """`produce QUEUE -`: one batch produce per STDIN_BATCH lines; the ids
+    printed as each batch is stored (one per line; for a virtual queue,
+    QUEUE:ID of every message created)."""
+    import itertools
+
+    lines = (line[:-2] if line.endswith("\r\n") else line.rstrip("\n")
+             for line in sys.stdin)
+    ids: list = []
+    while chunk := list(itertools.islice(lines, STDIN_BATCH)):
+        try:
+            got = client.produce_batch(args.queue, chunk, **options)
+        except ServerError as exc:  # its index: of the whole input, not of this batch
+            index = None if exc.index is None else len(ids) + exc.index
+            raise type(exc)(exc.code, exc.reason, exc.response, index) from None
+        ids.extend(got)
+        if not args.json:
+            for msg_id in got:
+                print(" ".join(f"{q}:{i}" for q, i in msg_id.items())
+                      if isinstance(msg_id, dict) else msg_id)
+            sys.stdout.flush()
+    return ids, None
+
+
+def _cmd_pause(client, args) -> tuple[object, str]:
+    config = client.pause(args.queue, args.what)
+    what = {"in": "produce refused", "out": "nothing delivered",
+            "all": "produce refused, nothing delivered"}[args.what]
+    return config, f"paused {args.queue} ({args.what}: {what})"
+
+
+def _cmd_resume(client, args) -> tuple[object, str]:
+    return client.resume(args.queue), f"resumed {args.queue}"
+
+
+def _cmd_clear(client, args) -> tuple[object, str]:
+    cleared = client.clear(args.queue)
+    return ({"queue": args.queue, "cleared": cleared},
+            f"cleared {cleared} message{'s' if cleared != 1 else ''} from {args.queue}")
 
 
 def _cmd_consume(client, args) -> tuple:
@@ -381,9 +487,10 @@ def _cmd_peek(client, args) -> tuple[object, str]:
 
 
 def _setting(text: str) -> tuple[str, object]:
-    """KEY=VALUE as a setting: an integer as an integer, an empty value as
-    None, and for dead_letter "none" as None too (a queue called "none"
-    cannot be named there from the command line); else the string."""
+    """KEY=VALUE as a setting: an integer as an integer, a decimal (1.5) as
+    a float, an empty value as None, and for dead_letter "none" as None too
+    (a queue called "none" cannot be named there from the command line);
+    else the string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise InvalidArgument(f"setting {text!r} is not KEY=VALUE")
@@ -391,6 +498,8 @@ def _setting(text: str) -> tuple[str, object]:
         return key, None
     if value.lstrip("-").isdigit() and value.isascii():
         return key, int(value)
+    if re.fullmatch(r"-?(\d+\.\d*|\.\d+)", value, re.ASCII):
+        return key, float(value)
     return key, value
 
 
@@ -442,7 +551,8 @@ def _cmd_leader(client, args) -> tuple[object, str]:
 
 _COMMANDS = {"produce": _cmd_produce, "consume": _cmd_consume, "confirm": _cmd_confirm,
              "nack": _cmd_nack, "touch": _cmd_touch, "show": _cmd_show, "peek": _cmd_peek,
-             "config": _cmd_config, "monitor": _cmd_monitor, "list": _cmd_list,
+             "config": _cmd_config, "pause": _cmd_pause, "resume": _cmd_resume,
+             "clear": _cmd_clear, "monitor": _cmd_monitor, "list": _cmd_list,
              "leader": _cmd_leader}
 
 

@@ -154,3 +154,16 @@ class NotInFlight(ServerError):
     delivered, or one whose lease ran out): the server's reason "not in
     flight". Nothing changed.
     """
+
+
+# -- queue controls (protocol v2: config `paused`) -----------------------------
+
+__all__ += ["QueuePaused"]
+
+
+class QueuePaused(ServerError):
+    """Raised when a produce was refused because the queue is paused for
+    producers (`paused` is "in" or "all"; for a virtual queue, one of its
+    real queues is): the server's reason "queue paused" (or "queue paused:
+    NAME"). Nothing was produced; `resume` the queue to produce again.
+    """

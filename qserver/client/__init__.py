@@ -4,6 +4,8 @@
     with Client(["127.0.0.1:1111", "127.0.0.1:1112"]) as c:
         msg_id = c.produce("orders", "close order 42", delay=30, retry=60)
         ids = c.produce_many({"queue": "orders", "data": f"o{i}"} for i in range(5000))
+        ids = c.produce_batch("orders", ["a", "b", {"data": "c", "priority": 0}])
+        c.produce("orders", "charge 42", dedup_id="charge-42")  # stored once per window
         with c.process("orders") as msg:       # confirmed if the block succeeds
             if msg is not None:
                 handle(msg.data)
@@ -15,15 +17,21 @@
             else:
                 d.confirm()                    # StaleReceipt if the lease ran out
 
-Methods: `produce` (returns the msg_id), `produce_ids` (returns {real queue:
-msg_id}, the way to see every message a virtual queue created),
-`produce_many`, `consume` (a `Delivery` or None; with `count=N` a list of
+Methods: `produce` (returns the msg_id; `priority=` lower first, `dedup_id=`
+stored once per dedup window), `produce_ids` (returns {real queue: msg_id},
+the way to see every message a virtual queue created), `produce_batch` (one
+queue, batch produces of up to 1,000 messages: one log entry each, all or
+nothing; `produce_batch_result` also says which were duplicates),
+`produce_many` (any queues; consecutive items of one queue go as batches),
+`consume` (a `Delivery` or None; with `count=N` a list of
 up to N; `queues=[...]` takes from the first of several queues with a
 message; `wait=S` is a long poll, `lease=S` the time before an unconfirmed
 delivery comes back), `confirm` (by id, or with a `receipt`; returns
 whether a message was deleted), `nack`, `touch`, `show` (a message's state,
-or None), `peek`, `config`, `set_config`, `monitor`, `list`, `leader`, and
-`request` for a raw request. Consumer helpers: `process(queue)` (one
+or None), `peek`, `config`, `set_config`, `pause` and `resume` (a produce
+into a queue paused for producers raises `QueuePaused`), `clear` (returns
+how many messages it removed), `monitor`, `list`, `leader`, and `request`
+for a raw request. Consumer helpers: `process(queue)` (one
 message, confirmed when the `with` block succeeds, left to the server's
 retry when it raises) and `messages(queue)` (an iterator of `Delivery`
 objects that work the same way, fetched with long polls).
@@ -86,15 +94,18 @@ then the last error is raised: `NoLeader`, `ClientConnectionError`,
 Delivery guarantees of the resends: a request whose answer was lost may have
 taken effect. A produce sent again may therefore be stored twice
 (at-least-once: the caller sees one msg_id, the other message is delivered
-too); a consume sent again may have delivered a message to the lost
-connection, which then comes back after its `retry` seconds (retry > 0) or
-is gone (retry = 0, at-most-once). Confirms by id are idempotent; a confirm
+too), unless it carries a `dedup_id`: within the queue's dedup window the
+server stores it once and answers the first msg_id, across failovers too.
+A consume sent again may have delivered a message to the lost connection,
+which then comes back after its `retry` seconds (retry > 0) or is gone
+(retry = 0, at-most-once). Confirms by id are idempotent; a confirm
 or nack with a receipt, sent again after its answer was lost, may find its
 own first sending done and raise `StaleReceipt` (a touch is simply done
 again). A long poll sent again waits again, on the next node. A `produce_many`
-whose connection dies mid-batch sends every unanswered item again on another
-node: each item is stored at least once, and the returned msg_ids are those
-of the answers received.
+or `produce_batch` whose connection dies midway sends every unanswered
+request again on another node: each item is stored at least once (exactly
+once with a `dedup_id`, within the window), and the returned msg_ids are
+those of the answers received.
 
 Time: `delay` and `ttl` take seconds relative to now (int or float), an
 absolute unix time (a number >= 1,000,000,000, as on the wire), a
@@ -125,15 +136,20 @@ from ..errors import (
     NotInFlight,
     QServerClientError,
     QueueFull,
+    QueuePaused,
     ServerError,
     StaleReceipt,
 )
 from .aio import AsyncClient, AsyncDelivery
 from .core import (
+    BATCH_MAX_BYTES,
+    BATCH_WINDOW,
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
     LONG_POLL_S,
+    MAX_BATCH,
+    BatchResult,
     Message,
     consume_request,
     parse_hosts,
@@ -145,6 +161,7 @@ __all__ = [
     "Client",
     "AsyncClient",
     "Message",
+    "BatchResult",
     "Delivery",
     "AsyncDelivery",
     "parse_hosts",
@@ -154,6 +171,9 @@ __all__ = [
     "DEFAULT_RETRY_FOR_S",
     "DEFAULT_WINDOW",
     "LONG_POLL_S",
+    "MAX_BATCH",
+    "BATCH_MAX_BYTES",
+    "BATCH_WINDOW",
     # the errors the client raises (also in qserver.errors)
     "QServerClientError",
     "InvalidArgument",
@@ -164,4 +184,5 @@ __all__ = [
     "NoLeader",
     "StaleReceipt",
     "NotInFlight",
+    "QueuePaused",
 ]

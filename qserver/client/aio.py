@@ -20,6 +20,8 @@ from ..errors import (
     ServerError,
 )
 from .core import (
+    BATCH_MAX_BYTES,
+    BATCH_WINDOW,
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
@@ -27,32 +29,36 @@ from .core import (
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
+    BatchResult,
     Message,
+    _batch_limits,
     _BrokenStream,
     _checked,
+    _cleared,
     _consumed,
     _describe,
     _Exchange,
     _found,
-    _item_request,
     _leader_fields,
     _Lines,
     _long_poll_s,
     _monitor_request,
     _new_fields,
     _Polling,
-    _produce_many_ids,
     _produced_ids,
+    _ProducePlan,
     _raw_answer,
     _raw_request,
     _result_fields,
     _Router,
     _shown,
+    clear_request,
     config_request,
     confirm_request,
     consume_request,
     nack_request,
     parse_hosts,
+    pause_request,
     peek_request,
     produce_request,
     request_wait_s,
@@ -112,6 +118,7 @@ class AsyncClient:
         self.long_poll = _long_poll_s(long_poll)
         self._main = _AsyncLane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
+        self._batches = True  # as Client._batches
         self._lock = asyncio.Lock()  # the main lane: one exchange at a time
         self._idle_polls: list[_AsyncConnection] = []
         self._poll_home: Address | None = None  # as Client._poll_home
@@ -152,27 +159,57 @@ class AsyncClient:
         return answer
 
     async def produce(self, queue: str, data: str, *, delay: object = None, ttl: object = None,
-                      retry: object = 0) -> int:
+                      retry: object = None, priority: int | None = None,
+                      dedup_id: str | None = None) -> int:
         """As `Client.produce`."""
-        return (await self._call(produce_request(queue, data, delay, ttl, retry)))["msg_id"]
+        request = produce_request(queue, data, delay, ttl, retry, priority=priority,
+                                  dedup_id=dedup_id)
+        return (await self._call(request))["msg_id"]
 
     async def produce_ids(self, queue: str, data: str, *, delay: object = None,
-                          ttl: object = None, retry: object = 0) -> dict[str, int]:
+                          ttl: object = None, retry: object = None, priority: int | None = None,
+                          dedup_id: str | None = None) -> dict[str, int]:
         """As `Client.produce_ids`."""
-        response = await self._call(produce_request(queue, data, delay, ttl, retry))
-        return _produced_ids(queue, response)
+        request = produce_request(queue, data, delay, ttl, retry, priority=priority,
+                                  dedup_id=dedup_id)
+        return _produced_ids(queue, await self._call(request))
 
-    async def produce_many(self, items: Iterable[dict], *,
-                           window: int = DEFAULT_WINDOW) -> builtins.list[int]:
+    async def produce_batch(self, queue: str, items: Iterable[str | dict], *,
+                            delay: object = None, ttl: object = None, retry: object = None,
+                            priority: int | None = None, window: int = BATCH_WINDOW,
+                            max_request_bytes: int = BATCH_MAX_BYTES) -> builtins.list:
+        """As `Client.produce_batch`."""
+        result = await self.produce_batch_result(queue, items, delay=delay, ttl=ttl,
+                                                 retry=retry, priority=priority, window=window,
+                                                 max_request_bytes=max_request_bytes)
+        return result.msg_ids
+
+    async def produce_batch_result(self, queue: str, items: Iterable[str | dict], *,
+                                   delay: object = None, ttl: object = None,
+                                   retry: object = None, priority: int | None = None,
+                                   window: int = BATCH_WINDOW,
+                                   max_request_bytes: int = BATCH_MAX_BYTES) -> BatchResult:
+        """As `Client.produce_batch_result`."""
+        _batch_limits(window, max_request_bytes)
+        plan = _ProducePlan.batch(queue, items, delay, ttl, retry, priority, time.time(),
+                                  max_request_bytes)
+        if plan.requests:
+            plan.settle_batch(await self._exchange(plan.requests, window, stop_on_error=True))
+        return plan.result()
+
+    async def produce_many(self, items: Iterable[dict], *, window: int = DEFAULT_WINDOW,
+                           max_request_bytes: int = BATCH_MAX_BYTES) -> builtins.list[int]:
         """As `Client.produce_many`."""
-        if window < 1:
-            raise InvalidArgument("window must be at least 1")
-        now = time.time()
-        requests = [_item_request(item, i, now) for i, item in enumerate(items)]
-        if not requests:
-            return []
-        results = await self._exchange(requests, window, stop_on_error=True)
-        return _produce_many_ids(results)
+        _batch_limits(window, max_request_bytes)
+        plan = _ProducePlan.many(items, time.time(), max_request_bytes, self._batches)
+        while plan.requests:
+            results = await self._exchange(plan.requests, window, stop_on_error=True,
+                                           batch_window=BATCH_WINDOW)
+            if plan.settle_many(results):
+                break
+            if plan.old_server:
+                self._batches = False
+        return plan.first_ids()
 
     @overload
     async def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
@@ -231,6 +268,18 @@ class AsyncClient:
         if not settings:
             raise InvalidArgument("set_config needs at least one setting")
         return (await self._call(config_request(queue, settings)))["config"]
+
+    async def pause(self, queue: str, what: str = "all") -> dict:
+        """As `Client.pause`."""
+        return (await self._call(pause_request(queue, what)))["config"]
+
+    async def resume(self, queue: str) -> dict:
+        """As `Client.resume`."""
+        return (await self._call(config_request(queue, {"paused": "none"})))["config"]
+
+    async def clear(self, queue: str) -> int:
+        """As `Client.clear`."""
+        return _cleared(await self._call(clear_request(queue)))
 
     async def monitor(self, queue: str | None = None, *, local: bool = False) -> dict:
         """As `Client.monitor`."""
@@ -303,14 +352,16 @@ class AsyncClient:
                 return got
 
     async def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
-                        wait_s: float = 0.0) -> builtins.list[dict | None]:
+                        wait_s: float = 0.0,
+                        batch_window: int | None = None) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
         if not wait_s:
             async with self._lock:
-                return await self._run(self._main, requests, window, stop_on_error, 0.0)
+                return await self._run(self._main, requests, window, stop_on_error, 0.0,
+                                       batch_window)
         lane = self._poll_lane()
         try:
-            results = await self._run(lane, requests, window, stop_on_error, wait_s)
+            results = await self._run(lane, requests, window, stop_on_error, wait_s, None)
             self._poll_home = lane.router.address
             return results
         finally:
@@ -337,8 +388,10 @@ class AsyncClient:
             conn.close()
 
     async def _run(self, lane: _AsyncLane, requests: Sequence[dict], window: int,
-                   stop_on_error: bool, wait_s: float) -> builtins.list[dict | None]:
-        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
+                   stop_on_error: bool, wait_s: float,
+                   batch_window: int | None) -> builtins.list[dict | None]:
+        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error,
+                       batch_window=batch_window)
         router = lane.router
         router.begin()
         error: Exception | None

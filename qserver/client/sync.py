@@ -21,6 +21,8 @@ from ..errors import (
     ServerError,
 )
 from .core import (
+    BATCH_MAX_BYTES,
+    BATCH_WINDOW,
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
@@ -28,32 +30,36 @@ from .core import (
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
+    BatchResult,
     Message,
+    _batch_limits,
     _BrokenStream,
     _checked,
+    _cleared,
     _consumed,
     _describe,
     _Exchange,
     _found,
-    _item_request,
     _leader_fields,
     _Lines,
     _long_poll_s,
     _monitor_request,
     _new_fields,
     _Polling,
-    _produce_many_ids,
     _produced_ids,
+    _ProducePlan,
     _raw_answer,
     _raw_request,
     _result_fields,
     _Router,
     _shown,
+    clear_request,
     config_request,
     confirm_request,
     consume_request,
     nack_request,
     parse_hosts,
+    pause_request,
     peek_request,
     produce_request,
     request_wait_s,
@@ -110,6 +116,9 @@ class Client:
         self.long_poll = _long_poll_s(long_poll)
         self._main = _Lane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
+        # produce_many sends batch produces until a node refuses one as a
+        # node without them does.
+        self._batches = True
         self._lock = threading.Lock()  # the main lane: one exchange at a time
         self._polls_lock = threading.Lock()  # _idle_polls and _generation
         self._idle_polls: list[_Connection] = []
@@ -165,37 +174,111 @@ class Client:
         return answer
 
     def produce(self, queue: str, data: str, *, delay: object = None, ttl: object = None,
-                retry: object = 0) -> int:
+                retry: object = None, priority: int | None = None,
+                dedup_id: str | None = None) -> int:
         """Produce one message; returns its msg_id. For a virtual queue, the
-        msg_id in its first real queue (see `produce_ids`)."""
-        return self._call(produce_request(queue, data, delay, ttl, retry))["msg_id"]
+        msg_id in its first real queue (see `produce_ids`).
+
+        `priority` (0 to 2^31-1, default 1024): lower is delivered first
+        among deliverable messages. `dedup_id` (1 to 128 characters): if the
+        queue accepted a produce with this id within its dedup_window (300 s
+        by default), nothing is stored and the first produce's msg_id comes
+        back; a resend after a lost answer or a failover stores nothing
+        twice (`produce_batch_result` also says which were duplicates).
+        Raises `QueueFull`, `QueuePaused` (the queue is paused for
+        producers), `ServerError` with the server's reason for a bad value,
+        `InvalidArgument` for a wrong type (nothing sent).
+        """
+        request = produce_request(queue, data, delay, ttl, retry, priority=priority,
+                                  dedup_id=dedup_id)
+        return self._call(request)["msg_id"]
 
     def produce_ids(self, queue: str, data: str, *, delay: object = None, ttl: object = None,
-                    retry: object = 0) -> dict[str, int]:
-        """Produce one message; returns {real queue: msg_id} for every
-        message created: one entry for a plain queue, one per real queue for
-        a virtual queue."""
-        return _produced_ids(queue, self._call(produce_request(queue, data, delay, ttl, retry)))
+                    retry: object = None, priority: int | None = None,
+                    dedup_id: str | None = None) -> dict[str, int]:
+        """Produce one message (as `produce`); returns {real queue: msg_id}
+        for every message created: one entry for a plain queue, one per real
+        queue for a virtual queue."""
+        request = produce_request(queue, data, delay, ttl, retry, priority=priority,
+                                  dedup_id=dedup_id)
+        return _produced_ids(queue, self._call(request))
 
-    def produce_many(self, items: Iterable[dict], *, window: int = DEFAULT_WINDOW) -> list[int]:
+    def produce_batch(self, queue: str, items: Iterable[str | dict], *, delay: object = None,
+                      ttl: object = None, retry: object = None, priority: int | None = None,
+                      window: int = BATCH_WINDOW,
+                      max_request_bytes: int = BATCH_MAX_BYTES) -> builtins.list:
+        """Produce many messages into `queue` with batch produces; returns
+        their msg_ids in the order of `items` (ints; for a virtual queue
+        {real_queue: msg_id} dicts, every message created).
+
+        Each item is the data (a str), or a dict with `data` and optional
+        `delay`, `ttl`, `retry`, `priority`, `dedup_id` (as `produce`);
+        `delay`, `ttl`, `retry`, `priority` given here apply to every item
+        without its own. One request (one log entry, all or nothing) per up
+        to 1,000 items, fewer when the encoded request would pass
+        `max_request_bytes` (keep it under the nodes' max_request_size);
+        up to `window` requests in flight on one connection.
+
+        Every item is checked before anything is sent (`InvalidArgument`).
+        A refused request raises `ServerError` (`QueueFull`, `QueuePaused`)
+        with the server's reason ("messages[3]: ..." counts within that
+        request) and `index`, the input index of the message named, else of
+        the request's first item: the requests before it were stored (and
+        maybe some sent with it), none of its items were. A request resent
+        after a lost connection may be stored twice unless its items carry
+        a `dedup_id`.
+        """
+        return self.produce_batch_result(queue, items, delay=delay, ttl=ttl, retry=retry,
+                                         priority=priority, window=window,
+                                         max_request_bytes=max_request_bytes).msg_ids
+
+    def produce_batch_result(self, queue: str, items: Iterable[str | dict], *,
+                             delay: object = None, ttl: object = None, retry: object = None,
+                             priority: int | None = None, window: int = BATCH_WINDOW,
+                             max_request_bytes: int = BATCH_MAX_BYTES) -> BatchResult:
+        """As `produce_batch`; returns a `BatchResult`: `msg_ids`, and
+        `duplicates`, the indexes of the items whose `dedup_id` the queue
+        had seen within its dedup_window (nothing stored for them; their
+        msg_id is the first produce's)."""
+        _batch_limits(window, max_request_bytes)
+        plan = _ProducePlan.batch(queue, items, delay, ttl, retry, priority, time.time(),
+                                  max_request_bytes)
+        if plan.requests:
+            plan.settle_batch(self._exchange(plan.requests, window, stop_on_error=True))
+        return plan.result()
+
+    def produce_many(self, items: Iterable[dict], *, window: int = DEFAULT_WINDOW,
+                     max_request_bytes: int = BATCH_MAX_BYTES) -> builtins.list[int]:
         """Produce many messages, pipelined on one connection; returns their
-        msg_ids in the order of `items`.
+        msg_ids in the order of `items` (for a virtual queue, the msg_id in
+        its first real queue).
 
         Each item is a dict with `queue`, `data` and optional `delay`, `ttl`,
-        `retry` (as `produce`). Every item is checked before anything is sent
-        (`InvalidArgument`). A refusal stops the batch: `ServerError` (or
-        `QueueFull`) with `index` set; items before it, and some sent with
-        it, may have been produced. A lost connection sends the unanswered
-        items again on another node (at-least-once, see the package
-        docstring).
+        `retry`, `priority`, `dedup_id` (as `produce`). Consecutive items of
+        one queue go as batch produces (as `produce_batch`: up to 1,000 per
+        request and `max_request_bytes`), a lone item as a single produce;
+        up to `window` requests in flight (of them at most BATCH_WINDOW
+        batches). Every item is checked before anything is sent
+        (`InvalidArgument`). A refusal stops the call: `ServerError` (or
+        `QueueFull`, `QueuePaused`) with `index` set to the item refused.
+        When a batch is refused, its items (which it did not store) and
+        every item not yet produced are sent again one by one, so that, as
+        without batches, the items before `index` that the queue took are
+        stored (some sent after it may be too); a node that predates batch
+        produce gets single produces from then on. A lost connection sends
+        the unanswered requests again on another node (at-least-once, see
+        the package docstring, unless the items carry a `dedup_id`).
         """
-        if window < 1:
-            raise InvalidArgument("window must be at least 1")
-        now = time.time()
-        requests = [_item_request(item, i, now) for i, item in enumerate(items)]
-        if not requests:
-            return []
-        return _produce_many_ids(self._exchange(requests, window, stop_on_error=True))
+        _batch_limits(window, max_request_bytes)
+        plan = _ProducePlan.many(items, time.time(), max_request_bytes, self._batches)
+        while plan.requests:
+            results = self._exchange(plan.requests, window, stop_on_error=True,
+                                     batch_window=BATCH_WINDOW)
+            if plan.settle_many(results):
+                break
+            if plan.old_server:
+                self._batches = False
+        return plan.first_ids()
 
     @overload
     def consume(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
@@ -284,18 +367,42 @@ class Client:
         return self._call(peek_request(queue, count))["messages"]
 
     def config(self, queue: str) -> dict:
-        """The settings of `queue`: {max_deliveries, dead_letter} (see
-        `set_config`)."""
+        """The settings of `queue` in force: {max_deliveries, dead_letter,
+        max_size, dedup_window, paused} (see `set_config`; a server before
+        issue 15 gives the first two only)."""
         return self._call(config_request(queue))["config"]
 
     def set_config(self, queue: str, **settings: object) -> dict:
-        """Change settings of `queue`, e.g. `max_deliveries=5` (0:
-        unlimited), `dead_letter="failed"` (None: none); returns all its
-        settings after the change. The change is replicated as a write.
-        Raises `ServerError` for an unknown setting or a bad value."""
+        """Change settings of `queue`; returns all its settings after the
+        change. The change is replicated as a write, and survives restarts
+        and failovers. Settings: `max_deliveries` (0: unlimited),
+        `dead_letter` (a queue name; None: none), `max_size` (the most
+        messages the queue holds; 0: back to the node's queue_size),
+        `dedup_window` (seconds a `dedup_id` is remembered, up to 7 days; 0:
+        off), `paused` ("none", "in", "out", "all": see `pause`). Raises
+        `ServerError` for an unknown setting or a bad value (the server's
+        reason)."""
         if not settings:
             raise InvalidArgument("set_config needs at least one setting")
         return self._call(config_request(queue, settings))["config"]
+
+    def pause(self, queue: str, what: str = "all") -> dict:
+        """Pause `queue`: "in" refuses produces (`QueuePaused`), "out"
+        delivers nothing (consumes answer empty; long polls keep waiting and
+        are served on `resume`), "all" both. Confirm, nack, touch and show
+        work as usual. Returns the queue's settings after the change."""
+        return self._call(pause_request(queue, what))["config"]
+
+    def resume(self, queue: str) -> dict:
+        """Undo `pause` (paused "none"); returns the queue's settings."""
+        return self._call(config_request(queue, {"paused": "none"}))["config"]
+
+    def clear(self, queue: str) -> int:
+        """Remove every message of `queue`, in flight included (one log
+        entry); returns how many. Its settings, its dedup table and its ids
+        stay (ids never repeat). An unknown queue gives 0; a virtual queue
+        is refused (`ServerError`)."""
+        return _cleared(self._call(clear_request(queue)))
 
     def monitor(self, queue: str | None = None, *, local: bool = False) -> dict:
         """The master's view of the cluster (and of `queue`, if given): the
@@ -391,14 +498,16 @@ class Client:
     # -- the driver ---------------------------------------------------------
 
     def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
-                  wait_s: float = 0.0) -> builtins.list[dict | None]:
+                  wait_s: float = 0.0,
+                  batch_window: int | None = None) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
         if not wait_s:
             with self._lock:
-                return self._run(self._main, requests, window, stop_on_error, 0.0)
+                return self._run(self._main, requests, window, stop_on_error, 0.0,
+                                 batch_window)
         lane = self._poll_lane()
         try:
-            results = self._run(lane, requests, window, stop_on_error, wait_s)
+            results = self._run(lane, requests, window, stop_on_error, wait_s, None)
             self._poll_home = lane.router.address
             return results
         finally:
@@ -432,8 +541,9 @@ class Client:
         conn.close()
 
     def _run(self, lane: _Lane, requests: Sequence[dict], window: int, stop_on_error: bool,
-             wait_s: float) -> builtins.list[dict | None]:
-        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error)
+             wait_s: float, batch_window: int | None) -> builtins.list[dict | None]:
+        ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error,
+                       batch_window=batch_window)
         router = lane.router
         router.begin()
         error: Exception | None
