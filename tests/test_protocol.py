@@ -157,6 +157,32 @@ def test_unfinished_request_is_kept_until_complete():
     assert d.pending_bytes == 0
 
 
+def test_a_large_request_in_many_reads_ending_in_a_newline():
+    # A batch produce of ~600 KB arrives in 64 KB reads; the newline that
+    # ends it lets the decoder parse it whole (StreamDecoder._finish_line),
+    # with whatever follows it in the same read.
+    batch = {"action": 1, "queue": "q",
+             "messages": [{"data": f"m{i} " + "x" * 500, "dedup_id": f"d{i}"}
+                          for i in range(1200)]}
+    raw = orjson.dumps(batch) + b"\n" + b'{"action":8}\n{"action":7,'
+    decoder = StreamDecoder(1024 * 1024)
+    out: list = []
+    for i in range(0, len(raw), 65536):
+        out += decoder.feed(raw[i:i + 65536])
+    assert out == [batch, {"action": 8}]
+    assert decoder.feed(b'"pattern":"q"}\n') == [{"action": 7, "pattern": "q"}]
+    assert decoder.pending_bytes == 0
+
+
+def test_a_request_spanning_lines_in_several_reads_is_still_framed():
+    # Pretty-printed: the first newline does not end the value.
+    decoder = StreamDecoder(1024)
+    out = decoder.feed(b'{"action": 1,\n')
+    out += decoder.feed(b' "queue": "q",\n "data": "a\\nb"\n')
+    out += decoder.feed(b'}\n{"action":8}')
+    assert out == [{"action": 1, "queue": "q", "data": "a\nb"}, {"action": 8}]
+
+
 def test_whitespace_only_returns_nothing():
     d = StreamDecoder()
     assert d.feed(b"  \n\r\t ") == []
