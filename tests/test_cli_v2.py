@@ -292,10 +292,12 @@ def test_peek_and_config(qs):
     status, out, _ = qs("peek", "cv_p")
     assert out.splitlines()[1].split()[:2] == ["1", "ready"]
     assert qjson(qs, "monitor", "cv_p")["size"] == 3  # peek changes nothing
-    assert qjson(qs, "config", "cv_p") == {"max_deliveries": 0, "dead_letter": None}
+    rest = {"max_size": 1_000_000, "dedup_window": 300, "paused": "none"}  # issue 15's
+    assert qjson(qs, "config", "cv_p") == {"max_deliveries": 0, "dead_letter": None, **rest}
     assert qjson(qs, "config", "cv_p", "max_deliveries=2", "dead_letter=cv_dead") == {
-        "max_deliveries": 2, "dead_letter": "cv_dead"}
+        "max_deliveries": 2, "dead_letter": "cv_dead", **rest}
     assert qs("config", "cv_p", "dead_letter=none") == (
-        0, "queue           cv_p\nmax_deliveries  2\ndead_letter     none\n", "")
+        0, ("queue           cv_p\nmax_deliveries  2\ndead_letter     none\n"
+           "max_size        1000000\ndedup_window    300\npaused          none\n"), "")
     assert qs("config", "cv_p", "colour=blue") == (
         1, "", "qserver: ServerError: unknown setting: colour\n")

@@ -617,11 +617,12 @@ def test_show_peek_config(client):
     assert [m["msg_id"] for m in peeked] == ids[:2] and peeked[0]["queue"] == "r4"
     assert [m["msg_id"] for m in client.peek("r4")] == ids[:1]
     assert client.monitor("r4")["in_flight"] == 0  # peek changes nothing
-    assert client.config("r4") == {"max_deliveries": 0, "dead_letter": None}
+    rest = {"max_size": 1_000_000, "dedup_window": 300, "paused": "none"}  # issue 15's
+    assert client.config("r4") == {"max_deliveries": 0, "dead_letter": None, **rest}
     assert client.set_config("r4", max_deliveries=3, dead_letter="r4_dead") == {
-        "max_deliveries": 3, "dead_letter": "r4_dead"}
+        "max_deliveries": 3, "dead_letter": "r4_dead", **rest}
     assert client.set_config("r4", dead_letter=None) == {"max_deliveries": 3,
-                                                        "dead_letter": None}
+                                                        "dead_letter": None, **rest}
     assert client.config("r4")["max_deliveries"] == 3
     with pytest.raises(ServerError) as info:
         client.set_config("r4", paused_forever=True)
