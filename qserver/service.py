@@ -246,8 +246,8 @@ class Service:
         delay = get("delay")
         ttl = get("ttl")
         retry = get("retry")
-        if type(data) is not str or "priority" in obj or "dedup_id" in obj:
-            return None  # (a batch has no data)
+        if type(data) is not str or "priority" in obj or "dedup_id" in obj or "messages" in obj:
+            return None  # the new fields: the general path
         # The answer drops the produce's inputs (see the module docstring).
         if type(delay) is int and type(ttl) is int and type(retry) is int:
             # The shape nearly every client sends: all three times given.

@@ -812,14 +812,6 @@ def _set(**settings: Any) -> dict:
     return {"action": 5, "queue": "q", "set": settings}
 
 
-# A single node's fast path (Service._produce_now) takes a produce with a
-# string `data` beside `messages` as a single produce of `data`: it stores
-# one message, ignores the batch and echoes it (reported to the lead;
-# parse_request refuses it, so a cluster answers the reason). Drop the
-# marker with the fix.
-_FAST_PATH_BUG = pytest.mark.xfail(strict=True,
-                                   reason="fast path ignores messages beside data")
-
 BAD = [
     (_p(priority=-1), PRIORITY),
     (_p(priority=2**31), PRIORITY),
@@ -876,10 +868,9 @@ BAD = [
     (_b([{"data": "a"}], priority="1"), PRIORITY),
     (_b([{"data": "a"}], delay="x"), "delay must be a number"),
     (_b([{"data": "a"}], retry=-1), "retry must not be negative"),
-    pytest.param(_b([{"data": "a"}], data="x"), "give data or messages, not both",
-                 marks=_FAST_PATH_BUG),
-    pytest.param(_b([{"data": "a"}], data=""), "give data or messages, not both",
-                 marks=_FAST_PATH_BUG),
+    # (a single node's fast path took the first as a produce of "x" once)
+    (_b([{"data": "a"}], data="x"), "give data or messages, not both"),
+    (_b([{"data": "a"}], data=""), "give data or messages, not both"),
     (_b([{"data": "a"}], data=5), "give data or messages, not both"),
     (_b([{"data": "a"}], dedup_id="k"), "dedup_id goes on each message of a batch"),
     (_b([{"data": "a"}], dedup_id=""), "dedup_id goes on each message of a batch"),

@@ -246,9 +246,11 @@ def encode_response(response: dict[str, Any]) -> bytes:
 
 def error_response(reason: str, request: object = None) -> dict[str, Any]:
     """A code -1 response; echoes the request's fields when it was an object
-    (so that `seq` comes back), except its data."""
+    (so that `seq` comes back), except its data (and a batch's messages:
+    up to 1 MiB the client already has)."""
     if type(request) is dict:
         request.pop("data", None)
+        request.pop("messages", None)
         request["code"] = -1
         request["reason"] = reason
         return request
