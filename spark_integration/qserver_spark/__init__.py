@@ -6,8 +6,9 @@
         .mode("append").save()
 
 Modules: `options` (the options, checked on the driver), `rows` (Arrow
-record batches to produce items), `datasource` (the data source, its batch
-and streaming writers, the commit message), `errors`.
+record batches to produce items), `wire` (produce items to batch produce
+requests, answers to counts), `datasource` (the data source, its batch and
+streaming writers, the commit message), `errors`.
 """
 
 from .datasource import (

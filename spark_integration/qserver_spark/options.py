@@ -19,9 +19,20 @@ Rules, in the style of Spark's Kafka sink:
 - The message body is the `dataColumn` column (default "data"); without
   such a column, or with `rowAsJson=true`, it is the row as a JSON object,
   without the columns the sink reads the queue and the times from.
-- `delay`, `ttl`, `retry` are each either a constant (the option) or a
-  per-row column (`delayColumn`, ...), never both. A null in a column means
-  "not set" for that row (delay: now; ttl: the server's default; retry: 0).
+- `delay`, `ttl`, `retry`, `priority` are each either a constant (the
+  option) or a per-row column (`delayColumn`, ...), never both. A null in a
+  column means "not set" for that row (delay: now; ttl: the server's
+  default; retry: 0; priority: the server's default, 1024).
+- The dedup id of a row is the string column `dedupColumn`, or the values
+  of the columns `dedupKey` lists, joined with ':'. Only columns: the data
+  source API hands `writer()` the schema and the options, not the DataFrame,
+  so the sink cannot evaluate a SQL expression; an expression becomes a
+  column first (`df.withColumn("dedup_id", F.expr(...))`). Dedup columns stay
+  in the row's JSON (a consumer usually needs the key); the queue, time and
+  priority columns do not.
+- `batchProduce` (default true): one produce request per up to `batchSize`
+  rows of one queue (`messages`); false: one request per row, pipelined
+  (for a server without batch produce, and as the bench's baseline).
 
 No I/O here: this module only reads its arguments.
 """
@@ -53,16 +64,29 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_TIMEOUT_S",
     "MAX_BATCH_SIZE",
+    "MAX_BATCH_MESSAGES",
+    "MAX_DEDUP_ID",
+    "MAX_PRIORITY",
     "OPTIONS",
 ]
 
-# Rows per `produce_many` call. Big enough that a batch's round trips overlap
-# (the client keeps up to this many requests in flight), small enough that a
-# task's memory stays flat and a failed batch is cheap to resend.
+# Rows per batch produce request (or, with batchProduce=false, per pipelined
+# `produce_many` call): the most one request may carry, so that a task sends
+# as few requests, and the master appends as few log entries, as it can.
 DEFAULT_BATCH_SIZE = 1000
 
-# More gains nothing (the pipeline is full long before) and costs memory.
+# The server's limit on the messages of one batch produce (spec15: a
+# `messages` list holds 1 to 1000).
+MAX_BATCH_MESSAGES = 1000
+
+# With batchProduce=false: more gains nothing (the pipeline is full long
+# before) and costs memory.
 MAX_BATCH_SIZE = 100_000
+
+# The server's bounds (spec15): a priority is 0 .. 2^31-1, a dedup_id 1 to
+# 128 characters.
+MAX_PRIORITY = 2**31 - 1
+MAX_DEDUP_ID = 128
 
 # Seconds one node may stay silent before the task's client resends its
 # unanswered produces to another node: the client's own default.
@@ -86,7 +110,12 @@ OPTIONS = {
     "ttlColumn": "the column holding each row's ttl (number or timestamp)",
     "retry": "retry seconds for every row (0: at-most-once)",
     "retryColumn": "the column holding each row's retry seconds",
-    "batchSize": f"rows per pipelined batch (default {DEFAULT_BATCH_SIZE})",
+    "priority": f"the priority of every row, 0 to {MAX_PRIORITY}, lower first (default 1024)",
+    "priorityColumn": "the integer column holding each row's priority",
+    "dedupColumn": "the string (or integer) column holding each row's dedup id",
+    "dedupKey": "columns, comma-separated, whose values joined with ':' make the dedup id",
+    "batchProduce": "false: one produce request per row instead of batches (default: true)",
+    "batchSize": f"rows per produce request (default {DEFAULT_BATCH_SIZE})",
     "timeout": f"seconds a node may stay silent (default {DEFAULT_TIMEOUT_S:g})",
 }
 
@@ -120,6 +149,10 @@ class SinkOptions:
     delay: TimeSource
     ttl: TimeSource
     retry: TimeSource
+    priority: int | None = None  # every row's priority (None: the server's default)
+    priority_column: str | None = None  # the column holding it per row
+    dedup_columns: tuple[str, ...] = ()  # their values joined with ':' (empty: no dedup id)
+    batch_produce: bool = True  # False: one produce request per row
     batch_size: int
     timeout_s: float
 
@@ -127,7 +160,7 @@ class SinkOptions:
     def columns(self) -> tuple[str, ...]:
         """Every column the writer reads, in a fixed order."""
         used = [self.queue_column, self.data_column, self.delay.column, self.ttl.column,
-                self.retry.column]
+                self.retry.column, self.priority_column, *self.dedup_columns]
         return tuple(dict.fromkeys([c for c in used if c] + list(self.json_columns)))
 
 
@@ -170,6 +203,8 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
     delay = _time_source(opts, "delay", types, timestamps=True)
     ttl = _time_source(opts, "ttl", types, timestamps=True)
     retry = _time_source(opts, "retry", types, timestamps=False)
+    priority, priority_column = _priority(opts, types)
+    dedup_columns = _dedup_columns(opts, types)
 
     row_as_json = _bool(opts, "rowasjson", "rowAsJson", False)
     data_column = opts.get("datacolumn")
@@ -182,13 +217,18 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
         data_column = None
     json_columns: tuple[str, ...] = ()
     if data_column is None:
-        control = {queue_column, delay.column, ttl.column, retry.column}
+        control = {queue_column, delay.column, ttl.column, retry.column, priority_column}
         json_columns = tuple(f.name for f in schema.fields if f.name not in control)
         if not json_columns:
             raise OptionError("the message would be an empty JSON object: the rows have no "
-                              "column besides the queue and time columns")
+                              "column besides the queue, time and priority columns")
 
+    batch_produce = _bool(opts, "batchproduce", "batchProduce", True)
     batch_size = _number(opts, "batchsize", "batchSize", DEFAULT_BATCH_SIZE, integer=True)
+    if batch_produce and not 1 <= batch_size <= MAX_BATCH_MESSAGES:
+        raise OptionError(f"option 'batchSize' must be 1 to {MAX_BATCH_MESSAGES} (rows per "
+                          f"batch produce request: the server takes at most "
+                          f"{MAX_BATCH_MESSAGES} messages in one), not {batch_size}")
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise OptionError(f"option 'batchSize' must be 1 to {MAX_BATCH_SIZE}, not {batch_size}")
     timeout_s = _number(opts, "timeout", "timeout", DEFAULT_TIMEOUT_S)
@@ -197,7 +237,9 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
 
     return SinkOptions(hosts=hosts, queue=queue, queue_column=queue_column,
                        data_column=data_column, json_columns=json_columns, delay=delay,
-                       ttl=ttl, retry=retry, batch_size=int(batch_size), timeout_s=timeout_s)
+                       ttl=ttl, retry=retry, priority=priority, priority_column=priority_column,
+                       dedup_columns=dedup_columns, batch_produce=batch_produce,
+                       batch_size=int(batch_size), timeout_s=timeout_s)
 
 
 def _hosts(value: str | None) -> tuple[str, ...]:
@@ -268,3 +310,63 @@ def _time_source(opts: dict, key: str, types: dict[str, DataType], timestamps: b
     kinds = "a number of seconds or a timestamp" if timestamps else "a number of seconds"
     raise OptionError(f"{key} column '{column}' must be {kinds}, not {dtype.simpleString()}")
 
+
+
+def _priority(opts: dict, types: dict[str, DataType]) -> tuple[int | None, str | None]:
+    """The `priority` constant or the `priorityColumn` column (not both)."""
+    if "priority" in opts and "prioritycolumn" in opts:
+        raise OptionError("give option 'priority' (one value for every row) or "
+                          "'priorityColumn' (a column), not both")
+    if "priority" in opts:
+        value = opts["priority"]
+        try:
+            priority = int(str(value).strip())
+        except ValueError:
+            priority = -1
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise OptionError(f"option 'priority' must be an integer from 0 to {MAX_PRIORITY} "
+                              f"(lower is delivered first), not {value!r}")
+        return priority, None
+    column = opts.get("prioritycolumn")
+    if column is None:
+        return None, None
+    if column not in types:
+        raise OptionError(f"option 'priorityColumn': no column '{column}'; columns: "
+                          f"{sorted(types)}")
+    if not isinstance(types[column], IntegralType):
+        raise OptionError(f"priority column '{column}' must be an integer, not "
+                          f"{types[column].simpleString()}")
+    return None, column
+
+
+def _dedup_columns(opts: dict, types: dict[str, DataType]) -> tuple[str, ...]:
+    """The columns a row's dedup id is made of: `dedupColumn`, or the
+    comma-separated `dedupKey` (not both); each a string or an integer."""
+    if "dedupcolumn" in opts and "dedupkey" in opts:
+        raise OptionError("give option 'dedupColumn' (a column holding the dedup id) or "
+                          "'dedupKey' (columns making it), not both")
+    if "dedupcolumn" in opts:
+        name, columns = "dedupColumn", [opts["dedupcolumn"]]
+    elif "dedupkey" in opts:
+        name, columns = "dedupKey", [c.strip() for c in str(opts["dedupkey"]).split(",")]
+    else:
+        return ()
+    for column in columns:
+        if column not in types:
+            hint = ""
+            if name == "dedupKey":
+                hint = (" (dedupKey takes column names separated by commas, whose values are "
+                        "joined with ':'. The sink sees the schema, not the DataFrame, so it "
+                        "cannot evaluate an expression: add it as a column first, e.g. "
+                        "df.withColumn(\"dedup_id\", F.expr(\"concat(order_id, ':', "
+                        "version)\")), and set option 'dedupColumn')")
+            raise OptionError(f"option '{name}': no column {column!r}; columns: "
+                              f"{sorted(types)}{hint}")
+        dtype = types[column]
+        if not isinstance(dtype, (StringType, IntegralType)):
+            raise OptionError(f"dedup column '{column}' must be a string or an integer, not "
+                              f"{dtype.simpleString()}; cast it (or format it) to a string "
+                              f"column first")
+    if len(set(columns)) != len(columns):
+        raise OptionError(f"option '{name}' names a column twice: {columns}")
+    return tuple(columns)

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 Spark hands a Python data source's writer the rows of a task as Arrow
 record batches (the Arrow writer API). `batch_items(batch, opts)` turns one
-record batch into the list of dicts that `qserver.client.Client.produce_many`
-takes: {"queue", "data"} and, where set, "delay", "ttl", "retry". It works a
+record batch into a list of dicts, one per row: {"queue", "data"} and, where
+set, "delay", "ttl", "retry", "priority", "dedup_id" (the produce items of
+`qserver.client.Client.produce_many`). It works a
 column at a time (one `to_pylist` per column, arithmetic on timestamps in
 Arrow), then zips the columns into dicts: that costs a fraction of what
 building a Spark `Row` per row would.
@@ -17,7 +18,12 @@ Values:
   Without a data column, the row's other columns as one JSON object.
 - delay, ttl: numbers as given (seconds relative to now below 1e9, absolute
   unix seconds above, the protocol's rule); a timestamp column as absolute
-  unix seconds. retry: seconds. A null leaves the field out for that row.
+  unix seconds. retry: seconds. priority: an integer 0 .. 2^31-1. A null
+  leaves the field out for that row.
+- dedup_id: the dedup column's string (an integer in decimal), or the dedup
+  key's columns joined with ':'; a null, an empty id or one over 128
+  characters is an error (a row without its id would lose the guarantee the
+  option was given for).
 - JSON: timestamps in RFC 3339 with their offset, dates as YYYY-MM-DD,
   decimals as strings (no precision lost), binary as base64, maps as
   objects.
@@ -37,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .errors import RowError
-from .options import SinkOptions, TimeSource
+from .options import MAX_DEDUP_ID, MAX_PRIORITY, SinkOptions, TimeSource
 
 __all__ = ["batch_items", "row_json"]
 
@@ -98,6 +104,38 @@ def _data(batch: pa.RecordBatch, opts: SinkOptions, first_row: int) -> list[str]
     return [row_json(v) for v in values]
 
 
+def _dedup_ids(batch: pa.RecordBatch, opts: SinkOptions, first_row: int) -> list[str]:
+    parts = []
+    for name in opts.dedup_columns:
+        column = batch.column(name)
+        if column.null_count:
+            at = column.is_null().to_pylist().index(True)
+            raise RowError(f"row {first_row + at}: dedup column '{name}' is null (every row "
+                           f"needs its dedup id)")
+        parts.append(column if pa.types.is_string(column.type) else column.cast(pa.string()))
+    joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, ":")
+    lengths = pc.utf8_length(joined)
+    if pc.max(lengths).as_py() > MAX_DEDUP_ID or pc.min(lengths).as_py() < 1:
+        bad = pc.or_(pc.greater(lengths, MAX_DEDUP_ID), pc.less(lengths, 1))
+        at = bad.to_pylist().index(True)
+        what = "column '" + opts.dedup_columns[0] + "'" if len(parts) == 1 \
+            else f"columns {list(opts.dedup_columns)}"
+        raise RowError(f"row {first_row + at}: the dedup id from {what} is "
+                       f"{lengths[at].as_py()} characters; the server takes 1 to "
+                       f"{MAX_DEDUP_ID} (hash a long key into a column, e.g. with sha2, "
+                       f"64 characters)")
+    return joined.to_pylist()
+
+
+def _priorities(batch: pa.RecordBatch, column: str, first_row: int) -> list[int | None]:
+    values = batch.column(column).to_pylist()
+    for i, value in enumerate(values):
+        if value is not None and not 0 <= value <= MAX_PRIORITY:
+            raise RowError(f"row {first_row + i}: priority column '{column}' holds {value}; "
+                           f"a priority is 0 to {MAX_PRIORITY}")
+    return values
+
+
 def batch_items(batch: pa.RecordBatch, opts: SinkOptions, first_row: int = 0) -> list[dict]:
     """The produce items of one record batch, in row order.
 
@@ -106,7 +144,7 @@ def batch_items(batch: pa.RecordBatch, opts: SinkOptions, first_row: int = 0) ->
         opts: the checked sink options.
         first_row: the batch's first row's position in the task (for errors).
     Returns:
-        one dict per row for `Client.produce_many`.
+        one dict per row: the produce items of `Client.produce_many`.
     Raises:
         RowError for a row that cannot become a message.
     """
@@ -131,4 +169,15 @@ def batch_items(batch: pa.RecordBatch, opts: SinkOptions, first_row: int = 0) ->
             for item, value in zip(items, values):
                 if value is not None:
                     item[key] = value
+    if opts.priority is not None:
+        for item in items:
+            item["priority"] = opts.priority
+    elif opts.priority_column is not None:
+        priorities = _priorities(batch, opts.priority_column, first_row)
+        for item, priority in zip(items, priorities):
+            if priority is not None:
+                item["priority"] = priority
+    if opts.dedup_columns:
+        for item, dedup_id in zip(items, _dedup_ids(batch, opts, first_row)):
+            item["dedup_id"] = dedup_id
     return items
