@@ -1395,7 +1395,7 @@ class Store:
         if queue is None or (msg := queue.messages.get(msg_id)) is None:
             raise InvariantError(f"consume of missing message {name}/{msg_id}")
         priorities = queue.priorities
-        prioritized = bool(priorities) and msg_id in priorities
+        prioritized = msg_id in priorities if priorities else False
         if undo is not None:
             undo.append((_RESTORE, name, msg_id, msg,
                          priorities[msg_id] if prioritized else None))
