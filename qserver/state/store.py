@@ -1501,23 +1501,29 @@ class Store:
         queue.priorities.pop(msg_id, None)
         self._track_finals(queue)
         queue.dead_lettered += 1
-        queues = self.queues
         moved = (msg[DATA], ready_ms, ttl_ms, msg[RETRY_MS], 0, 0, 0, 0, FINAL_NONE,
                  name, msg_id, reason)
         for target_name, new_id in targets:
-            target = queues.get(target_name)
-            created = target is None
-            if target is None:
-                target = self._new_queue(target_name)
-            if new_id <= target.max_id:
-                raise InvariantError(f"dead letter {target_name}/{new_id} at or below max_id "
-                                     f"{target.max_id}")
-            if undo is not None:
-                undo.append((_UNPRODUCE, target_name, new_id, target.max_id, created))
-            target.max_id = new_id
+            target = self._claim_ids(target_name, new_id, 1, undo, "dead letter")
             target.messages[new_id] = moved
             target.index_pending(new_id, moved)
         return targets
+
+    def _claim_ids(self, name: str, first: int, count: int, undo: list[Any] | None,
+                   what: str) -> Queue:
+        """Queue `name` (created if new) after giving out msg_ids first ..
+        first + count - 1 (the caller stores the messages). Raises
+        InvariantError if they are not above every id it gave before."""
+        queue = self.queues.get(name)
+        created = queue is None
+        if queue is None:
+            queue = self._new_queue(name)
+        if first <= queue.max_id:
+            raise InvariantError(f"{what} {name}/{first} at or below max_id {queue.max_id}")
+        if undo is not None:
+            undo.append((_UNPRODUCE_MANY, name, first, count, queue.max_id, created))
+        queue.max_id = first + count - 1
+        return queue
 
     def _apply_configure(self, entry: Configure, undo: list[Any] | None) -> dict[str, Any]:
         """-> the queue's settings after the change."""
@@ -1539,15 +1545,7 @@ class Store:
         count = len(items)
         queues = self.queues
         for name, first in targets:
-            queue = queues.get(name)
-            created = queue is None
-            if queue is None:
-                queue = self._new_queue(name)
-            if first <= queue.max_id:
-                raise InvariantError(f"produce {name}/{first} at or below max_id {queue.max_id}")
-            if undo is not None:
-                undo.append((_UNPRODUCE_MANY, name, first, count, queue.max_id, created))
-            queue.max_id = first + count - 1
+            queue = self._claim_ids(name, first, count, undo, "produce")
             messages, fifo, priorities = queue.messages, queue.fifo, queue.priorities
             for msg_id, (data, ready_ms, ttl_ms, retry_ms, priority, _dedup_id) in enumerate(
                     items, first):
