@@ -133,7 +133,7 @@ _RECOUNT = "recount"  # (tag, queue, dead_lettered as it was)
 _RESET = "reset"  # (tag, queue, explicit settings as they were, queue created)
 _UNPRODUCE_MANY = "unproduce many"  # (tag, queue, first msg_id, count, previous max_id, created)
 _UNCLEAR = "unclear"  # (tag, queue, its message containers as they were)
-_UNDEDUP = "undedup"  # (tag, table owner, virtual, removed [(id, value)], added [(id, previous)])
+_UNDEDUP = "undedup"  # (tag, table owner, virtual, DedupTable changes)
 
 # A dedup table holds at most this many ids (per queue): at ~170 bytes an id
 # (bench/producer_bench.py measures it), 1,000,000 ids are ~170 MB, the
@@ -325,9 +325,10 @@ class DedupTable:
             return None
         return found[0]
 
-    def prune(self, cutoff_ms: int, removed: list[Any] | None) -> None:
+    def prune(self, cutoff_ms: int, changes: list[Any] | None) -> None:
         """Drop the oldest ids while they were accepted at or before
-        `cutoff_ms` (stopping at the first that was not). Amortised O(1)."""
+        `cutoff_ms` (stopping at the first that was not). Amortised O(1).
+        With `changes`, records what `undo` needs."""
         ids = self.ids
         while ids:
             dedup_id = next(iter(ids))
@@ -335,33 +336,33 @@ class DedupTable:
             if value[1] > cutoff_ms:
                 return
             del ids[dedup_id]
-            if removed is not None:
-                removed.append((dedup_id, value))
+            if changes is not None:
+                changes.append((True, dedup_id, value))
 
-    def add(self, dedup_id: str, ref: Any, accepted_ms: int, removed: list[Any] | None,
-            added: list[Any] | None) -> None:
+    def add(self, dedup_id: str, ref: Any, accepted_ms: int, changes: list[Any] | None) -> None:
         """Record `dedup_id`; the oldest id goes if the table is full. O(1)."""
         ids = self.ids
         previous = ids.get(dedup_id)
         if previous is None and len(ids) >= DEDUP_MAX_IDS:
             oldest, value = ids.popitem(last=False)
-            if removed is not None:
-                removed.append((oldest, value))
-        if added is not None:
-            added.append((dedup_id, previous))
+            if changes is not None:
+                changes.append((True, oldest, value))
+        if changes is not None:
+            changes.append((False, dedup_id, previous))
         ids[dedup_id] = (ref, accepted_ms)
 
-    def undo(self, removed: list[Any], added: list[Any]) -> None:
-        """Take back `prune`s and `add`s whose records are these."""
+    def undo(self, changes: list[Any]) -> None:
+        """Take back the `prune`s and `add`s that recorded `changes`, newest
+        first (an id may be added, then evicted by the same entry)."""
         ids = self.ids
-        for dedup_id, previous in reversed(added):
-            if previous is None:
+        for removed, dedup_id, value in reversed(changes):
+            if removed:  # it was the oldest: first again
+                ids[dedup_id] = value
+                ids.move_to_end(dedup_id, last=False)
+            elif value is None:  # added at the end: the newest
                 del ids[dedup_id]
             else:
-                ids[dedup_id] = previous  # in place: it kept its position
-        for dedup_id, value in reversed(removed):
-            ids[dedup_id] = value
-            ids.move_to_end(dedup_id, last=False)
+                ids[dedup_id] = value  # accepted again in place: it kept its position
 
     def to_wire(self) -> list[Any]:
         return [[d, [list(t) for t in ref] if type(ref) is tuple else ref, at]
@@ -380,7 +381,10 @@ class DedupTable:
                 raise ValueError(f"{what}: bad dedup row {row!r}")
             ref = row[1]
             if isinstance(ref, (list, tuple)):
-                ref = tuple((str(t[0]), int(t[1])) for t in ref)
+                if not ref or not all(isinstance(t, (list, tuple)) and len(t) == 2
+                                      and type(t[0]) is str and type(t[1]) is int for t in ref):
+                    raise ValueError(f"{what}: bad dedup ref {ref!r}")
+                ref = tuple((t[0], t[1]) for t in ref)
             elif type(ref) is not int:
                 raise ValueError(f"{what}: bad dedup ref {ref!r}")
             ids[row[0]] = (ref, row[2])
@@ -586,21 +590,34 @@ class Queue:
             key = keys.first()
             if key is not None and (best is None or key >> _ID_BITS < best):
                 best = key >> _ID_BITS
-        key = self.pready.first()
-        if key is not None:
-            time_ms = (key >> _ID_BITS) & _ID_MASK  # (at or before pmark: due, or nearly)
+        if self.pready:
+            # All at or before pmark: due, unless the clock is behind the
+            # mark; the earliest of them, which takes a scan (O(p)). Only a
+            # parked consume asks this, and it finds nothing deliverable,
+            # so pready has something only when the clock is behind.
+            time_ms = min((key >> _ID_BITS) & _ID_MASK for key in self.pready)
             if best is None or time_ms < best:
                 best = time_ms
         return best
 
     def oldest_ready_ms(self, now_ms: int) -> int | None:
         """Since when the longest-waiting deliverable message has been
-        deliverable, or None. O(1)."""
-        msg_id = self.next_due(now_ms)
-        if msg_id is None:
+        deliverable, or None (also while paused out). O(1) without
+        priorities; O(p) for p prioritized messages (the most urgent is
+        not the longest waiting)."""
+        if not self.delivers:
             return None
-        msg = self.messages[msg_id]
-        since: int = msg[RETRY_AT_MS] or msg[READY_MS]
+        since: int | None = None
+        msg_id = next(self._due_default(now_ms), None)
+        if msg_id is not None:
+            msg = self.messages[msg_id]
+            since = msg[RETRY_AT_MS] or msg[READY_MS]
+        if self.priorities:
+            self._promote(now_ms)
+            for key in self._pready_due(now_ms):
+                time_ms = (key >> _ID_BITS) & _ID_MASK
+                if since is None or time_ms < since:
+                    since = time_ms
         return since
 
     def index(self, msg_id: int, msg: Message) -> None:
@@ -650,7 +667,8 @@ class Queue:
 
     def wait_status(self, now_ms: int) -> int:
         """queue_server's congestion figure: the seconds waited by the oldest
-        ready messages (at most 16, each capped at 255 s). O(1)."""
+        ready messages (at most 16, each capped at 255 s). O(1); O(p) for p
+        prioritized messages."""
         # The oldest ready ones of both never-delivered indexes, merged by
         # ready time (only the times count, so ties need no id order).
         limit = (now_ms + 1) << _ID_BITS
@@ -665,6 +683,11 @@ class Queue:
             if n == WAIT_STATUS_SAMPLE or ready_ms > now_ms:
                 break
             ready.append(ready_ms)
+        if self.priorities:  # never-delivered prioritized ones that are ready
+            self._promote(now_ms)
+            ready.extend(heapq.nsmallest(WAIT_STATUS_SAMPLE, (
+                (key >> _ID_BITS) & _ID_MASK for key in self._pready_due(now_ms)
+                if not messages[key & _ID_MASK][RETRY_AT_MS])))
         ready.sort()
         total = 0
         for ready_ms in ready[:WAIT_STATUS_SAMPLE]:
@@ -1568,17 +1591,18 @@ class Store:
             table = vtable
         else:
             table = queues[owner].dedup
-        removed: list[Any] | None = [] if undo is not None else None
-        added: list[Any] | None = [] if undo is not None else None
-        table.prune(cutoff_ms, removed)
+        changes: list[Any] | None = [] if undo is not None else None
+        table.prune(cutoff_ms, changes)
         for k, item in enumerate(items):
             dedup_id = item[5]
             if dedup_id:
                 ref: Any = (tuple((name, first + k) for name, first in targets) if virtual
                             else targets[0][1] + k)
-                table.add(dedup_id, ref, accepted_ms, removed, added)
+                table.add(dedup_id, ref, accepted_ms, changes)
+        if virtual and not table.ids:  # pruned to nothing: a virtual table goes
+            del self.vdedup[owner]
         if undo is not None:
-            undo.append((_UNDEDUP, owner, virtual, removed, added))
+            undo.append((_UNDEDUP, owner, virtual, changes))
         return targets
 
     def _apply_clear(self, entry: Clear, undo: list[Any] | None) -> int:
@@ -1658,14 +1682,16 @@ class Store:
                 if created:
                     del queues[name]
             elif tag is _UNDEDUP:
-                _, owner, virtual, removed, added = op
+                _, owner, virtual, changes = op
                 if virtual:
-                    table = self.vdedup[owner]
-                    table.undo(removed, added)
-                    if not table.ids:
-                        del self.vdedup[owner]
+                    table = self.vdedup.get(owner) or DedupTable()
+                    table.undo(changes)
+                    if table.ids:
+                        self.vdedup[owner] = table
+                    else:
+                        self.vdedup.pop(owner, None)
                 else:
-                    queues[owner].dedup.undo(removed, added)
+                    queues[owner].dedup.undo(changes)
             elif tag is _UNCLEAR:
                 queue = queues[op[1]]
                 queue.swap_messages(op[2])
