@@ -135,9 +135,10 @@ _UNPRODUCE_MANY = "unproduce many"  # (tag, queue, first msg_id, count, previous
 _UNCLEAR = "unclear"  # (tag, queue, its message containers as they were)
 _UNDEDUP = "undedup"  # (tag, table owner, virtual, DedupTable changes)
 
-# A dedup table holds at most this many ids (per queue): at ~170 bytes an id
-# (bench/producer_bench.py measures it), 1,000,000 ids are ~170 MB, the
-# bound of one queue's table. Past it the oldest ids go first, even inside
+# A dedup table holds at most this many ids (per queue): at ~300 bytes an id
+# of 36 characters (bench/producer_bench.py measures it: the id string 85,
+# the (ref, time) tuple 56, the msg_id 28, the OrderedDict's slot and node
+# ~90), 1,000,000 ids are ~285 MB, the bound of one queue's table. Past it the oldest ids go first, even inside
 # the window: a producer that resends after a million newer dedup ids is
 # not recognised (README, "Idempotent produce").
 DEDUP_MAX_IDS = 1_000_000
