@@ -87,7 +87,12 @@ delivery's, an older one, garbage, none), and configure max_deliveries and
 dead_letter; masters move out final deliveries whose lease ran out (the
 service's expiry tick), and a message a consume finds over max_deliveries.
 The receipt epoch is the master's vote_id (service.py uses Engine.epoch,
-which is the native core's vote_id).
+which is the native core's vote_id). Producers (issue 15) send produces
+with a dedup_id, a priority, or `messages` (a batch, each message with its
+own dedup id), and a producer that heard nothing resends the same request
+with the same dedup ids (its retries, and now and then the whole request
+again as a new one, acknowledged or not: a restarted producer); clients
+clear queues and configure dedup_window, max_size and paused.
 Every acknowledged answer, writes and reads alike, is held against the
 committed history (invariants 6 and 7): it must rest on a committed
 position, a read must not be older than any answer acknowledged before it
@@ -99,7 +104,10 @@ names, the very one its client got it with; a message's `deliveries`
 never exceeds its queue's max_deliveries; a delivery is due at the
 decision's clock, its lease ends where its lease says; a retry=0 message
 is delivered once; a lease reaching the ttl is the last; a dead-letter
-move was due and goes to the queue's dead_letter (details: `Workload`).
+move was due and goes to the queue's dead_letter; a produce went into a
+queue neither paused in nor full, a delivery came from one not paused out;
+a dedup id is never stored twice within its window, whichever master the
+resend reached, after any number of failovers (details: `Workload`).
 
 `run_schedule(seed, ...)` runs one random schedule of faults and client
 operations, lets the cluster settle, checks that no final delivery whose
@@ -114,7 +122,6 @@ import contextlib
 import copy
 import heapq
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -131,6 +138,7 @@ from qserver.state.entries import (
     FINAL_MAX_DELIVERIES,
     FINAL_NONE,
     SETTINGS,
+    Clear,
     Configure,
     Confirm,
     Consume,
@@ -138,12 +146,20 @@ from qserver.state.entries import (
     DeadLetter,
     Nack,
     Produce,
+    ProduceBatch,
     Record,
     Touch,
 )
 from qserver.state.log import Log
 from qserver.state.store import Store
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import (
+    DEFAULT_PRIORITY,
+    ConfirmRequest,
+    ConsumeRequest,
+    ProduceBatchRequest,
+    ProduceItem,
+    ProduceRequest,
+)
 
 START_MS = 1_700_000_000_000
 
@@ -637,11 +653,14 @@ class Network:
         trans_id, vote_id = core.snapshot_point()
         if trans_id - core.snapshot_id < max(1, self.log_size):
             return
-        # the fork: its own store (without the Checker's hooks) and undo records
+        # The fork: a copy of the store's memory and of the undo records,
+        # which share objects with it (a clear's record holds the queue's
+        # former containers) that the child's rollback changes; without the
+        # Checker's hooks (the class's methods again).
         child = copy.copy(core)
-        child.store = Store(queue_size=self.queue_size, virtual_queues=self.virtual_queues)
-        child.store.load_wire(core.store.to_wire())
-        child.undo = deque(core.undo)
+        child.store, child.undo = copy.deepcopy((core.store, core.undo))
+        for hook in ("apply", "revert", "load_wire"):
+            vars(child.store).pop(hook, None)
         child.prepare_snapshot(trans_id)
         state = child.store.to_wire()
         node.writer = trans_id
@@ -729,7 +748,8 @@ class Network:
         loader = node.core.store.snapshot_loader()
         for item in chunk.state:  # [name, max_id, messages] or [..., extras] (Store.to_wire)
             loader.queue(item[0], item[1], item[3] if len(item) > 3 else None)
-            loader.messages(item[2])
+            if item[2]:  # (a virtual queue's dedup table has no messages)
+                loader.messages(item[2])
         node.received.append((loader, chunk.state, chunk.trans_id))
         self.stats["snapshot_files_received"] += 1
         node.core.step(Snapshot(vote_id=chunk.vote_id, node_id=src, trans_id=chunk.trans_id,
@@ -1255,17 +1275,33 @@ class _Decision:
 
 @dataclass
 class _Produced:
-    """One client's produce request (its data names it: a retry resends the
-    same data) and the entries masters decided for it, one per attempt."""
+    """One message a client produces (its data names it: a retry, or a
+    resend with its dedup_id, sends the same data), and the messages
+    masters decided for it: ((queue, msg_id), ...) per decision that
+    stored it (a Produce, or an item of a ProduceBatch)."""
 
     retry_ms: int
-    decisions: list = field(default_factory=list)  # Produce entries
-    acked: Produce | None = None  # the decision the client was told about
-    acked_at: int | None = None  # event number of the ack
+    decisions: list = field(default_factory=list)  # targets stored, one per decision
+    # The messages answers named, in the order acknowledged (a resend
+    # stores a second copy once its dedup window has passed, or when the
+    # first was never committed; an answer `duplicate: true` names the
+    # first's).
+    acked_targets: list = field(default_factory=list)
+    acked_at: int | None = None  # event number of the first ack
 
     @property
     def targets(self) -> tuple:
-        return (self.acked or self.decisions[-1]).targets
+        return self.acked_targets[0] if self.acked_targets else self.decisions[-1]
+
+
+class _Accepted(NamedTuple):
+    """A committed acceptance of a dedup id: the item of a ProduceBatch
+    that stored it (the dedup table's entry, as the model keeps it)."""
+
+    trans_id: int
+    accepted_ms: int
+    targets: tuple  # ((queue, msg_id), ...): the message(s) it made
+    data: str
 
 
 @dataclass
@@ -1294,12 +1330,14 @@ class _Delivery:
 @dataclass(eq=False)
 class _Request:
     """A client request and its attempts. `kind`: produce, consume, confirm,
-    nack, touch, configure."""
+    nack, touch, configure, clear."""
 
     kind: str
     queue: str
     produce: ProduceRequest | None = None
-    data: str | None = None  # produce
+    # produce with a priority, dedup ids or several messages (decide_produce_batch)
+    batch: ProduceBatchRequest | None = None
+    data: str | None = None  # produce: the (first) message's data
     consume: ConsumeRequest | None = None  # consume
     msg_id: int = 0  # confirm, nack, touch
     receipt: tuple[int, int, int] | None = None  # confirm, nack, touch
@@ -1307,6 +1345,9 @@ class _Request:
     delay_ms: int = 0  # nack
     lease_ms: int = 0  # touch
     settings: dict | None = None  # configure
+    # produce with `batch`: per item, (the messages the answer names,
+    # duplicate?), from the acknowledged answer
+    answer: list | None = None
     max_attempts: int = 1
     node: int | None = None  # the node the client sent its last attempt to
     attempts: int = 0
@@ -1329,6 +1370,7 @@ class _Attempt:
     target: int  # where it was executed (node, or the master node forwarded it to)
     entry: object  # the decided entry; None: an answer that appends no entry (a read)
     refusal: str | None = None  # a read: the refusal it answers ("stale receipt", ...)
+    plan: list | None = None  # a produce with `batch`: decide_produce_batch's plan
     trans_id: int = 0  # the entry's position; for a read, the master's last entry
     vote_id: int = 0  # ...and that entry's vote_id
     decided_at: int = 0  # event number
@@ -1358,11 +1400,23 @@ class Workload:
     as service.py makes it from Engine.epoch); confirm, nack (with a delay)
     and touch (with a lease), each with the receipt of the client's last
     delivery, an older one, garbage, or none; configure (max_deliveries,
-    dead_letter). Like service.py, a master moves a message that a consume
-    finds over its queue's max_deliveries out first (a DeadLetter no client
-    waits for), and moves out final deliveries whose lease ran out (its
-    tick: decide_expired, armed for next_final_ms whenever a node is seen
-    master with final leases). Long poll (`wait`) is not simulated.
+    dead_letter, and issue 15's dedup_window, max_size, paused); clear.
+    Issue 15's produces: with a dedup_id and/or a priority (the single form
+    of decide_produce_batch), or a batch (`messages`) whose items mostly
+    carry their own dedup ids, now and then one listed twice. A request
+    with dedup ids that got no answer is retried as every request is (on
+    another node after "no leader", so mostly on a new master after a
+    failover), and `resend` sends an earlier one again as a new request,
+    whatever its client was told (a restarted producer). One schedule in
+    three starts with a short dedup window on one queue, so that resends
+    straddle its end. An answer of duplicates only appends no entry: it is
+    sent after the read index, as service.py does. Like service.py, a
+    master moves a message that a consume finds over its queue's
+    max_deliveries out first (a DeadLetter no client waits for), and moves
+    out final deliveries whose lease ran out (its tick: decide_expired,
+    armed for next_final_ms whenever a node is seen master with final
+    leases). Long poll (`wait`) is not simulated. Delivery order (FIFO,
+    priorities) is not checked here: the store's stateful test does it.
 
     On the committed history, in both modes, as each entry commits (the
     Checker's listener; `_Msg` is the model, built from the entries alone):
@@ -1376,7 +1430,15 @@ class Workload:
     confirms only the delivery it names); a nack or touch found the
     message in flight; a dead-letter move was due (its final lease ran
     out, it was over max_deliveries, or nacked in flight) and goes where
-    its queue's dead_letter says.
+    its queue's dead_letter says; a produce went into queues neither
+    paused in nor full (max_size), all the messages of a batch at once;
+    nothing was delivered from a queue paused out; a clear removed every
+    message. Dedup ids (`_commit_produce_batch`): each committed acceptance
+    of a dedup id by a queue is its first, or comes at least the queue's
+    shortest window since (a shorter window may have pruned it) after the
+    last one: a resend within the window is never stored twice, whichever
+    master it reached, after any number of failovers, snapshots and
+    restarts; the entry prunes the table by its own clock and window.
 
     `strict` (quorum mode) checks what async mode does not promise: every
     acknowledged answer rests on the committed history. A write's entry is
@@ -1389,9 +1451,18 @@ class Workload:
     name the current delivery, a "not in flight" from one where the message
     was not in flight; a delivery's `deliveries` is the committed count;
     and no delivery commits after an acknowledged confirm of that message
-    (invariant 6, issue 12). After the run, every acknowledged produce is
-    still stored, or deleted by a delivery, a confirm or a dead-letter move
-    (whose copies are, in turn, accounted for the same way)."""
+    (invariant 6, issue 12). A produce with dedup ids: each id of an
+    acknowledged answer names the message of the newest committed
+    acceptance of it at or before the position the answer rests on (a
+    `duplicate: true` names a committed message with the same data,
+    accepted within the window: never one a master lost), and every answer
+    decided within the window of an acceptance an earlier answer named
+    names it too (`_check_dedup_answer`). A batch's answer rests on its
+    one entry, committed whole. A clear's `cleared` is what the committed
+    state held. After the run, every acknowledged produce is still stored,
+    or deleted by a delivery, a confirm, a dead-letter move (whose copies
+    are, in turn, accounted for the same way) or a clear; in both modes the
+    model holds as many messages per queue as the master's store."""
 
     def __init__(self, net: Network, rng: random.Random, *, queues=("a", "b"),
                  dead_letters=("dl",), strict: bool = True, at_master: bool = False,
@@ -1443,6 +1514,15 @@ class Workload:
         # message -> [(trans_id, _Msg or None once deleted)], oldest first
         self.history: dict[tuple[str, int], list[tuple[int, _Msg | None]]] = {}
         self.settings: dict[str, dict] = {}  # queue -> its committed settings, where set
+        # queue -> [(trans_id, dedup_window_ms)] of the committed changes
+        self.window_changes: dict[str, list[tuple[int, int]]] = {}
+        self.live: dict[str, set[int]] = {}  # queue -> msg_ids the committed history holds
+        # (queue produced to, dedup_id) -> its committed acceptances, oldest first
+        self.accepted: dict[tuple[str, str], list[_Accepted]] = {}
+        # (queue produced to, dedup_id) -> (trans_id, accepted_ms, targets)
+        # of each acceptance an acknowledged answer named
+        self.dedup_acked: dict[tuple[str, str], list[tuple[int, int, tuple]]] = {}
+        self.dedup_counter = 0
         if net.checker is not None:
             net.checker.listeners.append(self.on_commit)
         net.observers.append(self._on_observe)
@@ -1474,18 +1554,24 @@ class Workload:
 
     def random_op(self) -> None:
         r = self.rng.random()
-        if r < 0.40:
-            self.produce()
+        if r < 0.30:
+            self.produce(dedup_id=RANDOM, priority=RANDOM)
+        elif r < 0.34:
+            self.produce_batch()
+        elif r < 0.42:
+            self.resend()
         elif r < 0.72:
             self.consume(**self._random_consume())
         elif r < 0.84:
             self.confirm(receipt=RANDOM)
         elif r < 0.91:
             self.nack()
-        elif r < 0.97:
+        elif r < 0.965:
             self.touch()
-        else:
+        elif r < 0.995:
             self.configure()
+        else:
+            self.clear()
 
     def _random_consume(self) -> dict:
         rng = self.rng
@@ -1504,29 +1590,105 @@ class Workload:
             args["lease_ms"] = rng.choice((100, 400, 1500))
         return args
 
-    def produce(self, queue: str | None = None, *, retry_s: float | None = None,
-                delay_s: object = RANDOM, ttl_s: object = RANDOM, node: int | None = None,
-                max_attempts: int | None = None) -> str:
-        """A client produces a new message (data "m<n>"); returns its data.
-        Unset arguments are drawn at random; delay_s/ttl_s None mean none."""
+    def _produce_queue(self, queue: str | None) -> str:
         rng = self.rng
         if queue is None:
             virtual = sorted(self.net.virtual_queues)
             queue = (rng.choice(virtual) if virtual and rng.random() < 0.15
                      else rng.choice(self.queues))
+        return queue
+
+    def _new_item(self, retry_s, delay_s, ttl_s, dedup_id,
+                  priority) -> tuple[ProduceItem, bool]:
+        """A new message's data ("m<n>") and fields, and whether it has a
+        priority or a dedup id (a plain produce has neither); unset fields
+        drawn at random (dedup_id RANDOM: "d<n>" now and then, True:
+        always)."""
+        rng = self.rng
         if retry_s is None:
             retry_s = rng.choice((0, 0, 0.2, 1))
         if delay_s is RANDOM:
             delay_s = rng.choice((0.1, 0.5)) if rng.random() < 0.3 else None
         if ttl_s is RANDOM:
             ttl_s = rng.choice((0.3, 1.5)) if retry_s and rng.random() < 0.3 else None
+        if dedup_id is RANDOM:
+            dedup_id = rng.random() < 0.4
+        if dedup_id is True:
+            self.dedup_counter += 1
+            dedup_id = f"d{self.dedup_counter}"
+        if priority is RANDOM:
+            priority = rng.choice((0, 7, DEFAULT_PRIORITY, 5000)) if rng.random() < 0.15 else None
         self.counter += 1
         data = f"m{self.counter}"
         self.produced[data] = _Produced(retry_ms=round(retry_s * 1000))
-        req = _Request("produce", queue, data=data, produce=ProduceRequest(
-            queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry_s))
+        item = ProduceItem(data, delay_s, ttl_s, retry_s,
+                           DEFAULT_PRIORITY if priority is None else priority, dedup_id or "")
+        return item, bool(dedup_id) or priority is not None
+
+    def produce(self, queue: str | None = None, *, retry_s: float | None = None,
+                delay_s: object = RANDOM, ttl_s: object = RANDOM, node: int | None = None,
+                max_attempts: int | None = None, dedup_id: object = None,
+                priority: object = None) -> str:
+        """A client produces a new message (data "m<n>"); returns its data.
+        Unset arguments are drawn at random; delay_s/ttl_s None mean none.
+        With a `dedup_id` (a string, True for a new one, RANDOM: now and
+        then) or a `priority` (RANDOM: now and then) it is the single form
+        of a batch produce (decide_produce_batch), as service.py makes it."""
+        queue = self._produce_queue(queue)
+        item, extended = self._new_item(retry_s, delay_s, ttl_s, dedup_id, priority)
+        if extended:
+            req = _Request("produce", queue, data=item.data,
+                           batch=ProduceBatchRequest(queue, (item,), False))
+        else:
+            req = _Request("produce", queue, data=item.data, produce=ProduceRequest(
+                queue=queue, data=item.data, delay_s=item.delay_s, ttl_s=item.ttl_s,
+                retry_s=item.retry_s))
         self._start(req, node, max_attempts)
-        return data
+        return item.data
+
+    def produce_batch(self, queue: str | None = None, count: int | None = None, *,
+                      node: int | None = None, max_attempts: int | None = None,
+                      dedup: object = RANDOM, retry_s: float | None = None,
+                      delay_s: object = RANDOM, ttl_s: object = RANDOM) -> _Request:
+        """A produce with `messages`: `count` new messages (drawn: 2 to 6),
+        each with its own dedup id (`dedup` True; RANDOM: most of them),
+        now and then a priority; now and then one listed twice (the same
+        data and dedup id: the answer names the first for both)."""
+        rng = self.rng
+        queue = self._produce_queue(queue)
+        if count is None:
+            count = rng.randint(2, 6)
+        items = [self._new_item(retry_s, delay_s, ttl_s,
+                                (rng.random() < 0.8) if dedup is RANDOM else dedup, RANDOM)[0]
+                 for _ in range(count)]
+        with_ids = [item for item in items if item.dedup_id]
+        if with_ids and dedup is RANDOM and rng.random() < 0.2:
+            items.insert(rng.randrange(1, len(items) + 1), rng.choice(with_ids))
+        req = _Request("produce", queue, data=items[0].data,
+                       batch=ProduceBatchRequest(queue, tuple(items), True))
+        return self._start(req, node, max_attempts)
+
+    def resend(self, req: _Request | None = None, *, node: int | None = None,
+               max_attempts: int | None = None) -> _Request | None:
+        """A producer sends an earlier produce with dedup ids again as a new
+        request (a restarted producer, a retried Spark task), whatever it
+        was told: by default one drawn from those that carried dedup ids."""
+        if req is None:
+            sent = [r for r in self.requests
+                    if r.batch is not None and any(i.dedup_id for i in r.batch.items)]
+            if not sent:
+                self.produce(dedup_id=True)
+                return None
+            req = self.rng.choice(sent)
+        self.answers["resends"] += 1
+        return self._start(_Request("produce", req.queue, data=req.data, batch=req.batch),
+                           node, max_attempts)
+
+    def clear(self, queue: str | None = None, *, node: int | None = None) -> _Request:
+        """Remove every message of a queue (action 6)."""
+        if queue is None:
+            queue = self.rng.choice(self.queues + self.dead_letters[:1])
+        return self._start(_Request("clear", queue), node)
 
     def consume(self, queue: str | None = None, *, node: int | None = None,
                 queues: tuple[str, ...] | None = None, count: int | None = None,
@@ -1609,8 +1771,10 @@ class Workload:
                                     receipt_from=receipt_from, lease_ms=lease_ms), node)
 
     def configure(self, queue: str | None = None, settings: dict | None = None, *,
-                  node: int | None = None) -> _Request:
-        """Set a queue's max_deliveries and/or dead_letter ("" for none)."""
+                  node: int | None = None, max_attempts: int | None = None) -> _Request:
+        """Set a queue's max_deliveries and/or dead_letter ("" for none), and
+        now and then its dedup_window_ms, max_size or paused (SETTINGS
+        names, as the request layer hands them to decide_configure)."""
         rng = self.rng
         if queue is None:
             queue = rng.choice(self.queues + self.dead_letters[:1])
@@ -1624,7 +1788,15 @@ class Workload:
                 settings["dead_letter"] = rng.choice(
                     ("", *self.dead_letters, *self.dead_letters, *others,
                      *sorted(self.net.virtual_queues)))
-        return self._start(_Request("configure", queue, settings=settings), node)
+            # issue 15's settings (windows short enough for resends to
+            # straddle their end)
+            if rng.random() < 0.5:
+                settings["dedup_window_ms"] = rng.choice((0, 400, 1500, 300_000))
+            if rng.random() < 0.2:
+                settings["max_size"] = rng.choice((0, 0, 3, 12))
+            if rng.random() < 0.2:
+                settings["paused"] = rng.choice(("none", "none", "in", "out", "all"))
+        return self._start(_Request("configure", queue, settings=settings), node, max_attempts)
 
     # -- attempts ----------------------------------------------------------------
 
@@ -1676,13 +1848,22 @@ class Workload:
             return
         self.net.run_on(target, partial(self._execute, req, number, node, target, timeout))
 
-    def _decide(self, req: _Request, core: NativeCore):
+    def _decide(self, req: _Request, core: NativeCore) -> tuple:
         """The master's decision, as service.py makes it: an entry, None (an
-        answer that appends no entry) or a reason."""
+        answer that appends no entry) or a reason; and, for a produce with
+        `batch`, decide_produce_batch's plan (else None)."""
         store, now = core.store, self.net.now
         kind = req.kind
         if kind == "produce":
-            return store.decide_produce(req.produce, now)
+            if req.batch is None:
+                return store.decide_produce(req.produce, now), None
+            outcome = store.decide_produce_batch(req.batch, now)
+            return outcome if type(outcome) is tuple else (outcome, None)
+        return self._decide_other(req, core), None
+
+    def _decide_other(self, req: _Request, core: NativeCore):
+        store, now = core.store, self.net.now
+        kind = req.kind
         if kind == "consume":
             # Service._decide_consume: a message over max_deliveries moves out first.
             while True:
@@ -1699,6 +1880,8 @@ class Workload:
             return store.decide_nack(req.queue, req.msg_id, req.receipt, now + req.delay_ms, now)
         if kind == "touch":
             return store.decide_touch(req.queue, req.msg_id, req.receipt, req.lease_ms, now)
+        if kind == "clear":
+            return store.decide_clear(req.queue)
         return store.decide_configure(req.queue, req.settings)
 
     def _propose_unanswered(self, core: NativeCore, entry, kind: str) -> None:
@@ -1722,6 +1905,12 @@ class Workload:
                 self.key_data.setdefault(target, set()).add(entry.data)
                 self.key_ready[target] = min(self.key_ready.get(target, entry.ready_ms),
                                              entry.ready_ms)
+        elif type(entry) is ProduceBatch:
+            for k, item in enumerate(entry.items):
+                for name, first in entry.targets:
+                    target = (name, first + k)
+                    self.key_data.setdefault(target, set()).add(item[0])
+                    self.key_ready[target] = min(self.key_ready.get(target, item[1]), item[1])
         elif type(entry) is DeadLetter:
             data = self.key_data.get((entry.queue, entry.msg_id), set())
             for target in entry.targets:
@@ -1736,7 +1925,7 @@ class Workload:
         if core is None or core.role is not Role.MASTER:
             self._client_error(req, number, timeout, "not master", elsewhere=True)
             return
-        outcome = self._decide(req, core)
+        outcome, plan = self._decide(req, core)
         refusal = None
         if type(outcome) is str:
             if outcome not in READ_REFUSALS:  # refused: a definite answer
@@ -1745,13 +1934,17 @@ class Workload:
                     req.outcomes.append(outcome)
                     self._finish(req)
                     self.answers["refused"] += 1
+                    if req.kind in ("produce", "clear"):
+                        # "queue full: a" -> "queue full"; "messages[2]: time error" -> "time error"
+                        reason = outcome.split(": ", 1)[outcome.startswith("messages[")]
+                        self.answers[f"{req.kind}_refused_{reason}"] += 1
                 net._flush(target)
                 net.observe((target,))
                 return
             refusal, outcome = outcome, None  # rests on the state: after the read index
         att = _Attempt(req, number, node, target, outcome, refusal=refusal,
-                       decided_at=self._tick(), now_ms=net.now, need=self.acked_upto,
-                       timeout=timeout)
+                       plan=plan, decided_at=self._tick(), now_ms=net.now,
+                       need=self.acked_upto, timeout=timeout)
         req.executed.append((target, "read" if outcome is None else "write"))
         done = partial(self._answered, att)
         if outcome is None:
@@ -1759,8 +1952,12 @@ class Workload:
             att.vote_id = core.log.vote_id_at(att.trans_id) or 0
             core.read_index(done)
         else:
-            if req.kind == "produce":
-                self.produced[req.data].decisions.append(outcome)
+            if type(outcome) is Produce:
+                self.produced[req.data].decisions.append(outcome.targets)
+            elif type(outcome) is ProduceBatch:
+                for k, item in enumerate(outcome.items):
+                    self.produced[item[0]].decisions.append(
+                        tuple((name, first + k) for name, first in outcome.targets))
             core.propose(outcome, done)
             att.trans_id, att.vote_id = core.log.last_trans_id, core.vote_id
             self._note_decision(core, outcome, req.kind, req)
@@ -1876,7 +2073,10 @@ class Workload:
         req.acked = att
         if att.entry is None:
             self.answers["ok" if att.refusal is None else "refused_read"] += 1
-            self._read_acked(att)
+            if req.kind == "produce":
+                self._batch_acked(att, ())
+            else:
+                self._read_acked(att)
             return
         self.answers["ok"] += 1
         kind = req.kind
@@ -1884,10 +2084,15 @@ class Workload:
             entry = att.entry
             if tuple(result) != entry.targets:
                 self.fail(f"produce of {req.data} answered {result}, decided {entry.targets}")
-            info = self.produced[req.data]
-            if info.acked is None:
-                info.acked, info.acked_at = entry, self._tick()
-            self._write_acked(att, f"produce of {req.data}")
+            if req.batch is None:
+                self._produce_acked(req.data, entry.targets)
+                self._write_acked(att, f"produce of {req.data}")
+            else:
+                self._batch_acked(att, entry.targets)
+        elif kind == "clear":
+            self.answers["clear_ok"] += 1
+            self._write_acked(att, f"clear of {req.queue} (cleared {result})",
+                              partial(self._check_cleared, att, result))
         elif kind == "consume":
             self._consume_acked(att, result)
         elif kind == "confirm":
@@ -1901,6 +2106,55 @@ class Workload:
             self.answers[f"{kind}_ok"] += 1
             self._write_acked(att, f"{kind} of {req.key}" if kind != "configure"
                               else f"configure of {req.queue} {req.settings}")
+
+    def _produce_acked(self, data: str, targets: tuple) -> None:
+        info = self.produced[data]
+        if targets not in info.acked_targets:
+            info.acked_targets.append(targets)
+        if info.acked_at is None:
+            info.acked_at = self._tick()
+
+    def _batch_answer(self, att: _Attempt, targets: tuple) -> list:
+        """What service.py's answer to a produce with `batch` names, item
+        by item: (the messages, duplicate?, the item's index in the entry
+        or None), from the plan and the entry's targets (() for an answer
+        of duplicates only)."""
+        owner = att.request.queue
+        out = []
+        for step in att.plan:
+            if type(step) is int:
+                out.append((tuple((name, first + step) for name, first in targets), False, step))
+            elif step[0] == "same":  # a dedup id listed earlier in the same batch
+                out.append((tuple((name, first + step[1]) for name, first in targets), True,
+                            None))
+            else:
+                ref = step[1]
+                out.append((((owner, ref),) if type(ref) is int else tuple(ref), True, None))
+        return out
+
+    def _batch_acked(self, att: _Attempt, targets: tuple) -> None:
+        """An answer to a produce with `batch` (a write, or duplicates
+        only: a read) was acknowledged: in quorum mode, once the position
+        it rests on commits, each of its dedup ids must name the message
+        the committed history accepted it as (`_check_dedup_answer`)."""
+        req = att.request
+        answer = req.answer = self._batch_answer(att, targets)
+        for item, (named, duplicate, _k) in zip(req.batch.items, answer, strict=True):
+            self._produce_acked(item.data, named)
+            if duplicate:
+                self.answers["duplicate"] += 1
+        what = (f"produce of {[item.data for item in req.batch.items]} to {req.queue}, "
+                f"answered {[(named, dup) for named, dup, _k in answer]}")
+        check = partial(self._check_dedup_answer, att, answer, what)
+        if att.entry is not None:
+            self._write_acked(att, what, check)
+        elif self.strict:
+            if att.trans_id < att.need:
+                self.fail(f"{what} from the state at trans_id {att.trans_id}, but an answer "
+                          f"acknowledged before it was asked rests on trans_id {att.need} "
+                          f"(a stale read)", 7)
+            self.acked_upto = max(self.acked_upto, att.trans_id)
+            self._when_committed(att.trans_id, att.vote_id, None, what, check)
 
     def _consume_acked(self, att: _Attempt, result) -> None:
         entry = att.entry
@@ -1958,6 +2212,8 @@ class Workload:
                     f"answered {att.refusal!r}")
         elif req.kind == "confirm":
             what = f"confirm of {req.queue}/{req.msg_id} answered 'unknown id'"
+        elif req.kind == "clear":
+            what = f"clear of {req.queue} answered 'cleared: 0'"
         else:
             what = f"empty consume of {req.consume.queues}"
         if t < att.need:
@@ -1978,9 +2234,63 @@ class Workload:
 
             self._when_committed(t, att.vote_id, None, what, deleted_by_then)
             self._confirm_acked(key, t)
+        elif req.kind == "clear":
+            self._when_committed(t, att.vote_id, None, what,
+                                 partial(self._check_cleared, att, 0))
         else:
             self._when_committed(t, att.vote_id, None, what)
             self.empty_reads.append((t, req.consume, att.now_ms))
+
+    def _check_cleared(self, att: _Attempt, count: int) -> None:
+        """A clear's `cleared` is what the committed state held (before the
+        clear entry, or where a read of 0 was answered)."""
+        queue, t = att.request.queue, att.trans_id
+        held = sum(1 for key in self.history
+                   if key[0] == queue and self._state_at(key, t, after=att.entry is None))
+        if held != count:
+            self.fail(f"clear of {queue} answered cleared={count} at trans_id {t}; the committed "
+                      f"state held {held} messages there", 7)
+
+    def _check_dedup_answer(self, att: _Attempt, answer: list, what: str) -> None:
+        """An acknowledged answer to a produce with dedup ids, once the
+        position p it rests on is committed (its entry, or for an answer of
+        duplicates only the master's last entry when it read): each dedup
+        id names the message of the newest committed acceptance of that id
+        at or before p (invariant 7: a `duplicate: true` names a committed
+        message, with this data, accepted within the window); and once an
+        answer named an acceptance, every later answer decided within its
+        window names it too (issue 15: a resend is recognised after any
+        number of failovers)."""
+        req = att.request
+        owner, p, entry = req.queue, att.trans_id, att.entry
+        for item, (named, duplicate, k) in zip(req.batch.items, answer, strict=True):
+            dedup_id = item.dedup_id
+            if not dedup_id or (k is not None and not entry.items[k][5]):
+                continue  # none, or the window was 0: the entry does not record it
+            key = (owner, dedup_id)
+            acc = self._accepted_at(key, p)
+            if acc is None or acc.targets != named:
+                self.fail(f"{what}: dedup id {dedup_id} answered {named} (duplicate: "
+                          f"{duplicate}); the committed history's acceptance of it at or "
+                          f"before trans_id {p} is {acc}", 7)
+            if duplicate:
+                if acc.data != item.data:
+                    self.fail(f"{what}: duplicate of {named}, whose committed data is "
+                              f"{acc.data}", 7)
+                window = self._window_at(owner, p)
+                if att.now_ms >= acc.accepted_ms + window:
+                    self.fail(f"{what}: dedup id {dedup_id} recognised at {att.now_ms}, past "
+                              f"its window ({window} ms from {acc.accepted_ms})", 7)
+            acked = self.dedup_acked.setdefault(key, [])
+            for t0, accepted_ms, targets in acked:
+                if (t0 <= p and targets != named
+                        and att.now_ms < accepted_ms + self._window_min(owner, t0, p)):
+                    self.fail(f"{what}: dedup id {dedup_id} was acknowledged as {targets} "
+                              f"(accepted at trans_id {t0}, {accepted_ms}); decided "
+                              f"{att.now_ms - accepted_ms} ms later, within the window, the "
+                              f"answer names {named}", 7)
+            if (acc.trans_id, acc.accepted_ms, named) not in acked:
+                acked.append((acc.trans_id, acc.accepted_ms, named))
 
     def _check_refusal(self, att: _Attempt, what: str) -> None:
         """A "stale receipt" or "not in flight" refusal agrees with the
@@ -2043,6 +2353,96 @@ class Workload:
         self.history.setdefault(key, []).append((t, state))
         if state is None:
             self.deleted_at.setdefault(key, t)
+            self.live.get(key[0], set()).discard(key[1])
+        else:
+            self.live.setdefault(key[0], set()).add(key[1])
+
+    def _window_at(self, owner: str, t: int) -> int:
+        """The dedup window (ms) of queue `owner` in the committed state at
+        trans_id t (a virtual queue's: its first real queue's)."""
+        queue = self.net.virtual_queues.get(owner, (owner,))[0]
+        window = SETTINGS["dedup_window_ms"][1]
+        for pos, value in self.window_changes.get(queue, ()):
+            if pos > t:
+                break
+            window = value
+        return window
+
+    def _window_min(self, owner: str, t0: int, t1: int) -> int:
+        """The shortest dedup window `owner` had in the committed states
+        from trans_id t0 to t1: an id accepted at t0 is still in the table
+        at t1 if its age is below this (a shorter window in between may
+        have pruned it)."""
+        queue = self.net.virtual_queues.get(owner, (owner,))[0]
+        window = self._window_at(owner, t0)
+        for pos, value in self.window_changes.get(queue, ()):
+            if t0 < pos <= t1:
+                window = min(window, value)
+        return window
+
+    def _accepted_at(self, key: tuple[str, str], t: int) -> _Accepted | None:
+        """The newest committed acceptance of dedup id key[1] by queue key[0]
+        at or before trans_id t."""
+        for acc in reversed(self.accepted.get(key, ())):
+            if acc.trans_id <= t:
+                return acc
+        return None
+
+    def _check_intake(self, t: int, targets: tuple, count: int, what: str) -> None:
+        """A committed produce of `count` messages into each real queue of
+        `targets`: none was paused in, none goes past its max_size."""
+        for name, _first in targets:
+            paused = self._setting(name, "paused")
+            if paused in ("in", "all"):
+                self.fail(f"{what} committed at trans_id {t} into {name}, paused {paused!r}")
+            limit = self._setting(name, "max_size") or self.net.queue_size
+            held = len(self.live.get(name, ()))
+            if held + count > limit:
+                self.fail(f"{what} committed at trans_id {t}: {name} held {held} messages, "
+                          f"max_size {limit}")
+
+    def _commit_produce_batch(self, t: int, e: ProduceBatch, decision: _Decision | None) -> None:
+        """A batch (or a produce with a priority or a dedup id) joined the
+        committed history: all its messages at once; each dedup id it
+        records is new, or its last acceptance is older than the window
+        (the shortest the queue had since: issue 15, a resend within the
+        window is never stored twice, whichever master it reaches)."""
+        owner = e.queue
+        what = f"produce of {[item[0] for item in e.items]} to {owner}"
+        self._check_intake(t, e.targets, len(e.items), what)
+        window = self._window_at(owner, t - 1)
+        if e.cutoff_ms != max(0, e.accepted_ms - window):
+            self.fail(f"{what} at trans_id {t}, accepted at {e.accepted_ms}, prunes its dedup "
+                      f"table up to {e.cutoff_ms}; its window is {window} ms")
+        if decision is not None and decision.now_ms != e.accepted_ms:
+            self.fail(f"{what} decided at {decision.now_ms}, recorded as accepted at "
+                      f"{e.accepted_ms}")
+        recorded = set()
+        for k, item in enumerate(e.items):
+            targets = tuple((name, first + k) for name, first in e.targets)
+            state = _Msg(0, 0, 0, FINAL_NONE, item[1], item[2], item[3])
+            for target in targets:
+                self.retry_of[target] = item[3]
+                self._set(target, t, state)
+            dedup_id = item[5]
+            if not dedup_id:
+                continue
+            if not window or dedup_id in recorded:
+                self.fail(f"{what} at trans_id {t} records dedup id {dedup_id} "
+                          f"{'with the window off' if not window else 'twice'}")
+            recorded.add(dedup_id)
+            accepted = self.accepted.setdefault((owner, dedup_id), [])
+            if accepted:
+                prev = accepted[-1]
+                shortest = self._window_min(owner, prev.trans_id, t - 1)
+                if e.accepted_ms < prev.accepted_ms + shortest:
+                    self.fail(f"dedup id {dedup_id} of {owner} stored again as {targets} "
+                              f"({item[0]}) at trans_id {t}, {e.accepted_ms - prev.accepted_ms} "
+                              f"ms after it was accepted as {prev.targets} ({prev.data}) at "
+                              f"trans_id {prev.trans_id}: within its window ({shortest} ms), "
+                              f"the resend was not recognised", 7)
+                self.answers["dedup_stored_again"] += 1  # past the window
+            accepted.append(_Accepted(t, e.accepted_ms, targets, item[0]))
 
     def _setting(self, queue: str, name: str):
         settings = self.settings.get(queue)
@@ -2056,6 +2456,7 @@ class Workload:
         kind = type(e)
         decision = self.decisions_at.pop((t, record.vote_id), None)
         if kind is Produce:
+            self._check_intake(t, e.targets, 1, f"produce of {e.data}")
             state = _Msg(0, 0, 0, FINAL_NONE, e.ready_ms, e.ttl_ms, e.retry_ms)
             for target in e.targets:
                 self.retry_of[target] = e.retry_ms
@@ -2099,6 +2500,14 @@ class Workload:
             self._commit_dead_letter(t, e, decision)
         elif kind is Configure:
             self.settings.setdefault(e.queue, {}).update(e.settings)
+            for name, value in e.settings:
+                if name == "dedup_window_ms":
+                    self.window_changes.setdefault(e.queue, []).append((t, value))
+        elif kind is ProduceBatch:
+            self._commit_produce_batch(t, e, decision)
+        elif kind is Clear:
+            for msg_id in sorted(self.live.get(e.queue, ())):
+                self._set((e.queue, msg_id), t, None)
         waiting = self.waiting_commit.pop(t, None)
         if waiting:
             for vote_id, entry, what, then in waiting:
@@ -2150,6 +2559,9 @@ class Workload:
         if state is None:
             self.fail(f"{key} delivered at trans_id {t}; the committed history does not hold it "
                       f"(deleted at {self.deleted_at.get(key)})")
+        paused = self._setting(queue, "paused")
+        if paused in ("out", "all"):
+            self.fail(f"{key} delivered at trans_id {t} from {queue}, paused {paused!r}")
         if decision is not None:
             now = decision.now_ms
             lease_ms = decision.lease_ms or state.retry_ms
@@ -2240,8 +2652,7 @@ class Workload:
             self.fail(f"delivered {d.data!r}, which no client produced")
         key = (d.queue, d.msg_id)
         if d.data not in self.key_data.get(key, ()):
-            self.fail(f"delivered {d.data} as {key}; it was produced as "
-                      f"{[e.targets for e in info.decisions]}")
+            self.fail(f"delivered {d.data} as {key}; it was produced as {info.decisions}")
         if d.now_ms < self.key_ready.get(key, d.now_ms):
             self.fail(f"{d.data} delivered at {d.now_ms}, before its ready time")
         before = self.deliveries.setdefault(key, [])
@@ -2271,7 +2682,15 @@ class Workload:
         acknowledged delivery is committed, of the data produced there, not
         before its ready time; every empty consume was empty in the
         committed state it was read from. (Quorum mode only: async mode may
-        lose acked writes.)"""
+        lose acked writes.) In both modes, the model built from the
+        committed entries holds as many messages per queue as the master's
+        store."""
+        store = self.net.core(master).store
+        for name, ids in sorted(self.live.items()):
+            q = store.get(name)
+            if len(ids) != (len(q.messages) if q is not None else 0):
+                self.fail(f"the committed history leaves {len(ids)} messages in {name}; the "
+                          f"master's store holds {len(q.messages) if q is not None else 0}")
         if not self.strict:
             return
         committed = self.net.checker.committed
@@ -2289,6 +2708,14 @@ class Workload:
                     if target in made:
                         self.fail(f"msg_id {target} given to {made[target][0]} and to {e.data}")
                     made[target] = (e.data, e.ready_ms)
+            elif kind is ProduceBatch:
+                for k, item in enumerate(e.items):
+                    for name, first in e.targets:
+                        target = (name, first + k)
+                        if target in made:
+                            self.fail(f"msg_id {target} given to {made[target][0]} and to "
+                                      f"{item[0]}")
+                        made[target] = (item[0], item[1])
             elif kind is Consume:
                 consumes.add((e.queue, e.msg_id, e.retry_at_ms, e.epoch, e.final))
             elif kind is ConsumeMany:
@@ -2300,7 +2727,6 @@ class Workload:
                         self.fail(f"msg_id {target} given to {made[target][0]} and to the "
                                   f"dead letter of {e.queue}/{e.msg_id}")
                     made[target] = (made[(e.queue, e.msg_id)][0], e.ready_ms)
-        store = self.net.core(master).store
 
         def accounted(key: tuple[str, int], data: str) -> bool:
             if key in self.deleted_at:
@@ -2310,15 +2736,15 @@ class Workload:
             return msg is not None and message_data(msg) == data
 
         for data, info in self.produced.items():
-            if info.acked is None:
-                continue
-            for queue, msg_id in info.acked.targets:
+            for queue, msg_id in (target for targets in info.acked_targets
+                                  for target in targets):
                 stored = made.get((queue, msg_id))
                 if stored is None or stored[0] != data:
                     self.fail(f"acknowledged produce {data} ({queue}/{msg_id}) was lost")
                 if not accounted((queue, msg_id), data):
                     self.fail(f"acknowledged {data} ({queue}/{msg_id}) is neither delivered for "
-                              f"good, confirmed, dead-lettered, nor in the master's store")
+                              f"good, confirmed, dead-lettered, cleared, nor in the master's "
+                              f"store")
         for key, ds in self.deliveries.items():
             for d in ds:
                 if d.committed_form() not in consumes:
@@ -2407,6 +2833,10 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                     max_attempts=rng.choice((1, 3, 6)) if not partitions else 8,
                     timeout_ms=rng.choice((250, 600, 1500)),
                     same_node_rate=rng.choice((0.3, 0.7, 0.95)) if not partitions else 0.9)
+    if rng.random() < 0.35:
+        # A short dedup window from the start, for resends to straddle its end.
+        work.configure(rng.choice(work.queues), {"dedup_window_ms": rng.choice((300, 800, 2000))},
+                       max_attempts=10)
     crash_ok = rng.random() < 0.7 and not partitions
     fault_rate = rng.choice((0.2, 0.4, 0.6))
     chaos_ms = chaos_ms if chaos_ms is not None else rng.randrange(2000, 5000)
@@ -2511,7 +2941,8 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                                      for i in ids))
     # The cluster still takes writes. (A node resumed by the healing may
     # still step down and cause one more election: the client retries.)
-    data = work.produce("a", retry_s=0, delay_s=None, ttl_s=None, node=net.master(),
+    # To a queue the clients never paused or bounded.
+    data = work.produce("settled", retry_s=0, delay_s=None, ttl_s=None, node=net.master(),
                         max_attempts=10)
     if not net.run_until(lambda: work.produced[data].acked_at is not None, 10_000):
         raise SimFailure(f"seed {seed}: the settled cluster does not acknowledge a produce")

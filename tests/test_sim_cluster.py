@@ -4,10 +4,13 @@ Each schedule is one seed: a 3- or 5-node cluster in quorum or async mode,
 2-5 s of virtual time of random client requests (produce; consume, now
 and then with count, from two queues or with a lease; confirm, nack and
 touch, with or without a receipt, stale ones too; config of
-max_deliveries and dead_letter; sent to any node, forwarded to the master,
-retried on a timeout, an "outcome unknown" or "no leader", on the same
-node or another; the master moves out final deliveries whose lease ran
-out) and
+max_deliveries and dead_letter; issue 15's produces with a dedup_id, a
+priority or a batch of messages, resent with the same dedup ids after no
+answer or as a restarted producer does, clear, config of dedup_window,
+max_size and paused, one schedule in three with a short dedup window from
+the start; sent to any node, forwarded to the master, retried on a
+timeout, an "outcome unknown" or "no leader", on the same node or
+another; the master moves out final deliveries whose lease ran out) and
 random faults (message loss up to 50%, delays up to 400 ms that reorder
 messages, one-way link cuts, partitions, isolated masters, paused nodes,
 crashes and restarts, now and then of every node at once), then every
@@ -24,7 +27,11 @@ committed history (what async mode does not promise is checked in quorum
 mode only), and on every entry as it commits: a receipt confirms only the
 delivery it names, `deliveries` never exceeds max_deliveries, deliveries
 and leases keep their times, retry=0 messages are delivered once, across
-failovers (sim.Workload).
+failovers; a dedup id is never stored twice within its window and every
+answer names the message the committed history accepted it as (a
+`duplicate: true` never one a master lost), across failovers, snapshots
+and restarts; a batch is committed whole; paused and full queues take no
+produce, paused-out ones deliver nothing (sim.Workload).
 
 The default run covers 3,200 schedules (80-95 s on a 2-core machine).
 QSERVER_SIM_SEEDS=N runs N seeds for each of the four configurations

@@ -16,7 +16,7 @@ from qserver.engines.messages import Pull, Push, Snapshot, VoteReply, VoteReques
 from qserver.engines.native import core as native
 from qserver.engines.native.core import Role, Timing
 from qserver.state import store as sim_store
-from qserver.state.entries import FINAL_MAX_DELIVERIES, DeadLetter
+from qserver.state.entries import FINAL_MAX_DELIVERIES, DeadLetter, ProduceBatch
 from qserver.state.store import message_view
 from qserver.wire.requests import ConsumeRequest, ProduceRequest
 from sim import Network, Workload, message_data, run_schedule
@@ -1087,4 +1087,160 @@ def test_last_delivery_moves_to_the_dead_letter_queue_once_across_a_failover(see
     assert [d.data for d in work.deliveries[("dl", 1)]] == [data]
     assert [d.deliveries for d in work.deliveries[key]] == [1, 2]
     m = settle(net)
+    work.final_check(m)
+
+
+# -- dedup ids across failovers (issue 15) -------------------------------------------
+
+
+def dedup_items(net: Network, dedup_id: str) -> list:
+    """The committed ProduceBatch items that record `dedup_id`: (trans_id, vote_id, item)."""
+    return [(r.trans_id, r.vote_id, item) for r in net.checker.committed
+            if type(r.entry) is ProduceBatch for item in r.entry.items if item[5] == dedup_id]
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+@pytest.mark.parametrize("old_master", ["crashes", "is-cut-off"])
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(2))
+def test_dedup_id_acknowledged_before_failovers_is_recognised_after_them(seed, production,
+                                                                          old_master, batch):
+    """A producer's produce with a dedup id (or a batch of three, each with
+    its own) is acknowledged by master A; A then crashes or is cut off, B
+    becomes master, and the producer, which never heard the answer,
+    resends the same request to B: every item answers `duplicate: true`
+    with the msg_id A gave it (an answer that appends no entry: sent once
+    the original is committed). B fails in turn, a third master takes the
+    same resend the same way. The committed history holds each dedup id
+    once; the Checker holds every answer against it."""
+    net = Network(3, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=10, timeout_ms=300)
+    a = elect(net)
+    if batch:
+        first = work.produce_batch("q", 3, dedup=True, retry_s=0, delay_s=None, ttl_s=None)
+    else:
+        first = request_of(work, work.produce("q", dedup_id="order-17", retry_s=0,
+                                              delay_s=None, ttl_s=None))
+    assert net.run_until(lambda: first.acked is not None, 2_000)
+    assert [dup for _named, dup, _k in first.answer] == [False] * len(first.batch.items)
+    named = [named for named, _dup, _k in first.answer]
+    masters = [a]
+    for _failover in range(2):
+        old = masters[-1]
+        if old_master == "crashes":
+            net.crash(old, drop_outgoing=True)
+        else:
+            net.isolate(old)
+        new = elect(net, old)
+        masters.append(new)
+        again = work.resend(first, node=new)
+        assert net.run_until(lambda again=again: again.finished, 3_000)
+        assert again.acked is not None and again.acked.target == new
+        assert again.acked.entry is None  # duplicates only: nothing appended
+        assert [(n, dup) for n, dup, _k in again.answer] == [(n, True) for n in named]
+        # the old master comes back as a slave; the next failover takes the new one
+        if old_master == "crashes":
+            net.start(old)
+        else:
+            net.heal()
+        settle(net)
+    m = settle(net)
+    for item in first.batch.items:
+        [(_t, vote, _item)] = dedup_items(net, item.dedup_id)
+        assert vote == net.checker.commit_votes[_t - 1]
+    q = net.core(m).store.get("q")
+    assert sorted(message_data(msg) for msg in q.messages.values()) == sorted(
+        item.data for item in first.batch.items)
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("seed", range(3))
+def test_resend_of_a_produce_the_master_lost_is_stored_once(seed, production, n):
+    """Master A, cut off, appends a produce with dedup id k1 and applies it
+    (its dedup table now holds k1) but cannot commit it; the producer times
+    out. Its resend reaches A while A still believes it is master: A finds
+    k1 in its own table, a duplicate of an entry that will never commit,
+    and must not answer (it would point at a message that is lost): it
+    answers "outcome unknown" once it steps down. The producer resends on,
+    reaches the new master B, which never saw k1: stored (duplicate
+    false), once; A's entry is truncated. A resend to B after that is a
+    duplicate of B's message."""
+    net = Network(n, seed, external_snapshots=production, deferred_sync=production)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=1, timeout_ms=200,
+                    backoff_ms=(40, 80), same_node_rate=1.0)
+    a = elect(net)
+    settle(net)
+    net.isolate(a)
+    first = request_of(work, work.produce("q", dedup_id="k1", retry_s=0, delay_s=None,
+                                          ttl_s=None, node=a))
+    at = net.core(a).log.last_trans_id
+    lone = net.core(a).log.get(at)
+    assert type(lone.entry) is ProduceBatch and lone.entry.items[0][5] == "k1"
+    assert net.run_until(lambda: first.finished, 1_000) and first.acked is None
+    again = work.resend(first, node=a, max_attempts=40)
+    assert net.run_until(lambda: (a, "read") in again.executed, E)  # a duplicate of its own
+    b = elect(net, a)
+    assert net.run_until(lambda: again.finished, 10_000)
+    assert again.acked is not None and again.acked.target == b
+    assert again.acked.entry is not None  # stored by B
+    [(named, duplicate, _k)] = again.answer
+    assert not duplicate
+    reads_on_a = [i for i, (node, kind) in enumerate(again.executed) if (node, kind) == (a, "read")]
+    assert reads_on_a and all(again.outcomes[i] != "ok" for i in reads_on_a)
+    once_more = work.resend(first, node=b, max_attempts=10)
+    assert net.run_until(lambda: once_more.finished, 3_000)
+    assert [(n, dup) for n, dup, _k in once_more.answer] == [(named, True)]
+    net.heal()
+    m = settle(net)
+    [(t, _vote, _item)] = dedup_items(net, "k1")
+    assert net.checker.committed[t - 1].vote_id == net.core(b).vote_id
+    assert net.checker.committed[at - 1] != lone  # A's lone produce was undone
+    q = net.core(m).store.get("q")
+    assert [message_data(msg) for msg in q.messages.values()] == [first.data]
+    work.final_check(m)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dedup_id_in_a_snapshot_is_recognised_by_a_master_restored_from_it(seed):
+    """The dedup table travels in snapshots: a dedup id is accepted, then
+    pushed into snapshot files by further writes (log_size 4); slave C,
+    cut off meanwhile, catches up by installing the master's snapshot
+    file, and slave B restarts from its own. The master crashes: the new
+    master (B or C) built its store from a snapshot that holds the id,
+    and answers the producer's resend `duplicate: true` with the
+    original msg_id."""
+    net = Network(3, seed, log_size=4, external_snapshots=True, deferred_sync=True)
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=10, timeout_ms=300)
+    a = elect(net)
+    settle(net)
+    b, c = [i for i in net.ids if i != a]
+    net.isolate(c)
+    first = request_of(work, work.produce("q", dedup_id="k1", retry_s=0, delay_s=None,
+                                          ttl_s=None))
+    assert net.run_until(lambda: first.acked is not None, 2_000)
+    t = first.acked.trans_id
+    for _ in range(30):
+        work.produce("q", retry_s=0, delay_s=None, ttl_s=None)
+        net.run_for(3)
+    assert net.run_until(lambda: work.idle(), 5_000)
+    assert net.run_until(lambda: net.core(a).log.base_trans_id > net.core(c).log.last_trans_id,
+                         2_000)
+    net.heal()
+    settle(net)
+    assert net.stats["snapshot_files_received"] >= 1
+    assert net.nodes[c].disk_base[0] > t
+    net.crash(b)
+    net.start(b)
+    assert net.nodes[b].disk_base[0] > t
+    net.crash(a, drop_outgoing=True)
+    m = elect(net, a)
+    again = work.resend(first, node=m)
+    assert net.run_until(lambda: again.finished, 3_000)
+    assert again.acked is not None and again.acked.target == m
+    assert [(n, dup) for n, dup, _k in again.answer] == [(first.answer[0][0], True)]
+    net.start(a)
+    m = settle(net)
+    assert len(dedup_items(net, "k1")) == 1
     work.final_check(m)

@@ -1,11 +1,19 @@
-"""The Store against a plain model, under random produce, consume (with
-lease, count, several queues), confirm (with and without a receipt), nack,
-touch, config, failovers and time.
+"""The Store against a plain model, under random produce (plain, and
+batches with priorities and dedup ids), consume (with lease, count, several
+queues), confirm (with and without a receipt), nack, touch, config
+(max_deliveries, dead_letter, max_size, dedup_window, paused), clear,
+failovers (some to a master whose clock is behind) and time.
 
 The model is deliberately naive: a dict of messages per queue, linear
-scans and sorts, the rules of design.md section 1 and of issue 14
-(../spec14.md, protocol-v2.md, the README's Receipts and Dead letters)
-written out directly, with no indexes, no tuple layouts and no fast paths.
+scans and sorts, the rules of design.md section 1, of issue 14
+(../spec14.md, protocol-v2.md, the README's Receipts and Dead letters) and
+of issue 15 (../spec15.md: priorities, batches, dedup, pause, clear,
+max_size) written out directly, with no indexes, no tuple layouts and no
+fast paths. Consumes take the lowest priority first, then the earliest due
+time, then the lowest id. A dedup table is a dict in the order ids were
+first accepted, pruned from its oldest end by each batch's cutoff and
+bounded by DEDUP_BOUND (the store's DEDUP_MAX_IDS, made small here so that
+the bound is reached).
 Each rule drives the store as the service does (decide on the "master",
 compare the decision with the model's, apply it), so the decisions are
 checked as well as the state:
@@ -16,14 +24,22 @@ checked as well as the state:
 - confirm with a receipt is refused (`stale receipt`, nothing changes)
   unless the receipt names the message's current delivery;
 - the master's timer (`advance` with `tick`) moves out every final delivery
-  whose lease ran out, in batches of `decide_expired`'s `limit`.
+  whose lease ran out, in batches of `decide_expired`'s `limit`;
+- a produce with `messages`, a priority or a dedup_id goes through
+  `decide_produce_batch`: the model predicts its refusal (paused, a time
+  error naming the index, full), its plan (new, a duplicate of the table, a
+  duplicate of an earlier item) and so the answer's msg_ids and duplicates,
+  and the entry (items, cutoff) itself.
 
 After every rule the store must pass `_check()`, match the model (every
 message and its fields, show's view of it, the queue's settings and
 counters, what consumes would deliver next and in which order, the counts
-monitor gives, the next final lease), a fresh Store fed every entry
-applied so far (through the log's wire form) must reach the same
-`to_wire()`, and a `to_wire`/`load_wire` round trip must be equal.
+monitor gives, the next final lease, when the next message is due), a
+fresh Store fed every entry applied so far (through the log's wire form)
+must reach the same `to_wire()`, and a `to_wire`/`load_wire` round trip must
+be equal. `to_wire()` holds the priorities, the settings set and the dedup
+tables (the virtual queue's too), so comparing it with the model's checks
+them all.
 
 Every entry is applied with an undo list, as the master does before the
 entry commits; a `revert` rule takes back the newest few entries, newest
@@ -42,12 +58,15 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 from hypothesis import HealthCheck, currently_in_test_context, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from qserver.state import store as store_module
 from qserver.state.entries import (
+    Clear,
     Configure,
     Confirm,
     Consume,
@@ -55,12 +74,19 @@ from qserver.state.entries import (
     DeadLetter,
     Nack,
     Produce,
+    ProduceBatch,
     Touch,
     entry_from_wire,
     entry_to_wire,
 )
 from qserver.state.store import Store, message_view, receipt_text
-from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
+from qserver.wire.requests import (
+    ConfirmRequest,
+    ConsumeRequest,
+    ProduceBatchRequest,
+    ProduceItem,
+    ProduceRequest,
+)
 
 QUEUE_SIZE = 5
 REAL = ("alpha", "beta", "gamma")
@@ -74,7 +100,18 @@ EPOCH = 7  # the first master's epoch; a failover takes a higher one
 # The wire codes of the reasons a message leaves (entries.FINAL_*); the
 # model keeps the names that show answers.
 REASON_CODES = {None: 0, "max_deliveries": 1, "expired": 2}
-DEFAULT_PRIORITY = 1024  # beanstalkd's; every message has it for now
+DEFAULT_PRIORITY = 1024  # beanstalkd's
+DEFAULT_WINDOW_MS = 300_000  # a queue's dedup window unless set
+# The store's DEDUP_MAX_IDS during these tests: small enough that tables
+# fill from the alphabet of DEDUP_IDS, and below the largest batch (5), so
+# that one batch may push out ids it added itself.
+DEDUP_BOUND = 3
+DEDUP_IDS = ("d1", "d2", "d3", "d4", "d5")
+
+
+@pytest.fixture(autouse=True)
+def small_dedup_bound(monkeypatch):
+    monkeypatch.setattr(store_module, "DEDUP_MAX_IDS", DEDUP_BOUND)
 
 
 def event(text: str) -> None:
@@ -92,8 +129,9 @@ def to_ms(value_s, now_ms: int) -> int:
 
 
 class ModelMessage:
-    def __init__(self, data, ready, ttl, retry, origin=None):
+    def __init__(self, data, ready, ttl, retry, origin=None, priority=DEFAULT_PRIORITY):
         self.data = data
+        self.priority = priority  # lower first; a dead letter gets the default
         self.ready = ready  # when deliverable while not in flight
         self.ttl = ttl
         self.retry = retry
@@ -123,19 +161,35 @@ class ModelQueue:
         self.dead_letter = None
         self.dead_lettered = 0
         self.config = {}  # the settings config (5) set explicitly (snapshot extras)
+        # dedup_id -> (ref, accepted at), in the order first accepted
+        self.dedup: dict[str, tuple] = {}
+
+    def window(self):
+        return self.config.get("dedup_window_ms", DEFAULT_WINDOW_MS)
+
+    def paused(self):
+        return self.config.get("paused", "none")
+
+    def bound(self):
+        """The most messages a produce may leave it holding."""
+        return self.config.get("max_size") or QUEUE_SIZE
 
     def deliverable(self, now):
-        """The ids consumes at `now` take, in that order (earliest due time
-        first, then lowest id): each is delivered, or moved out when it is
-        over a lowered max_deliveries (peek leaves those out)."""
-        due = [(m.due(), i) for i, m in self.msgs.items()
+        """The ids consumes at `now` take, in that order (lowest priority
+        first, then earliest due time, then lowest id; nothing while paused
+        out): each is delivered, or moved out when it is over a lowered
+        max_deliveries (peek leaves those out)."""
+        if self.paused() in ("out", "all"):
+            return []
+        due = [(m.priority, m.due(), i) for i, m in self.msgs.items()
                if m.due() is not None and m.due() <= now]
-        return [i for _, i in sorted(due)]
+        return [i for _, _, i in sorted(due)]
 
     def clone(self):
         twin = copy.copy(self)
         twin.msgs = {i: m.clone() for i, m in self.msgs.items()}
         twin.config = dict(self.config)
+        twin.dedup = dict(self.dedup)
         return twin
 
     def over_limit(self, m):
@@ -144,21 +198,61 @@ class ModelQueue:
         return bool(m.retry and self.max_deliveries and m.deliveries >= self.max_deliveries)
 
     def settings(self):
+        window_s = self.window() / 1000
         return {"max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter,
-                "max_size": QUEUE_SIZE, "dedup_window": 300, "paused": "none"}
+                "max_size": self.bound(),
+                "dedup_window": int(window_s) if window_s.is_integer() else window_s,
+                "paused": self.paused()}
+
+
+def prune(table, cutoff):
+    """Drop a dedup table's oldest ids while accepted at or before `cutoff`."""
+    while table:
+        oldest = next(iter(table))
+        if table[oldest][1] > cutoff:
+            return
+        del table[oldest]
+
+
+def times(delay, ttl, now):
+    """(ready, ttl) in ms of a produce at `now`, or None: a time error."""
+    ready = now if delay is None else to_ms(delay, now)
+    ttl_ms = ready + HOUR_MS if ttl is None else to_ms(ttl, now)
+    if ttl_ms < ready:
+        return None
+    return max(ready, now), ttl_ms
 
 
 class Model:
     def __init__(self):
         self.queues: dict[str, ModelQueue] = {}
         self.handed_out: dict[tuple[str, int], list] = {}  # receipts answered, per message
+        self.vdedup: dict[str, dict] = {}  # a virtual queue's dedup table, as ModelQueue's
 
     def clone(self):
         """A copy that shares nothing mutable (what a revert restores)."""
         twin = Model()
         twin.queues = {name: q.clone() for name, q in self.queues.items()}
         twin.handed_out = {key: list(r) for key, r in self.handed_out.items()}
+        twin.vdedup = {name: dict(t) for name, t in self.vdedup.items()}
         return twin
+
+    def view(self, name):
+        """Queue `name`, or a fresh one with the default settings."""
+        return self.queues.get(name) or ModelQueue()
+
+    def refusal(self, queue, count):
+        """Why `count` new messages into `queue` (real or virtual) are
+        refused, or None: the first real queue, in the configured order,
+        that is paused in (or all) or would hold more than its bound."""
+        virtual = queue in VIRTUAL
+        for name in VIRTUAL.get(queue, (queue,)):
+            q = self.view(name)
+            if q.paused() in ("in", "all"):
+                return f"queue paused: {name}" if virtual else "queue paused"
+            if len(q.msgs) + count > q.bound():
+                return f"queue full: {name}"
+        return None
 
     def _add(self, name, msg):
         q = self.queues.setdefault(name, ModelQueue())
@@ -167,19 +261,121 @@ class Model:
         return name, q.max_id
 
     def produce(self, queue, data, delay, ttl, retry, now):
-        ready = now if delay is None else to_ms(delay, now)
-        ttl_ms = ready + HOUR_MS if ttl is None else to_ms(ttl, now)
-        if ttl_ms < ready:
+        """A produce without priority or dedup_id: the (queue, msg_id) of
+        each message, or the reason it is refused."""
+        found = times(delay, ttl, now)
+        if found is None:
             return "time error"
-        ready = max(ready, now)
-        names = VIRTUAL.get(queue, (queue,))
-        # A queue may hold more than QUEUE_SIZE (dead letters are never
-        # refused); producers are still refused once it is full.
-        full = [n for n in names if n in self.queues and len(self.queues[n].msgs) >= QUEUE_SIZE]
-        if full:
-            return ("full", full[0])
+        ready, ttl_ms = found
+        # A queue may hold more than its bound (dead letters are never
+        # refused, the bound may be lowered); producers are still refused.
+        refused = self.refusal(queue, 1)
+        if refused:
+            return refused
         return tuple(self._add(name, ModelMessage(data, ready, ttl_ms, round(retry * 1000)))
-                     for name in names)
+                     for name in VIRTUAL.get(queue, (queue,)))
+
+    def produce_batch(self, queue, items, batch, now):
+        """A produce through decide_produce_batch; items are ProduceItems.
+        -> the reason it is refused, or (plan, (targets, entry items,
+        cutoff) or None when every item is a duplicate, the answer's
+        msg_ids, notes for the statistics)."""
+        names = VIRTUAL.get(queue, (queue,))
+        virtual = queue in VIRTUAL
+        for name in names:  # paused: before anything else
+            if self.view(name).paused() in ("in", "all"):
+                return f"queue paused: {name}" if virtual else "queue paused"
+        timed = []
+        for index, it in enumerate(items):
+            found = times(it.delay_s, it.ttl_s, now)
+            if found is None:
+                return f"messages[{index}]: time error" if batch else "time error"
+            timed.append(found)
+        window = self.view(names[0]).window()
+        table = self.vdedup.get(queue) if virtual else self.view(queue).dedup
+        table = table or {}
+        notes = set()
+        plan, new, seen = [], [], {}
+        for it, (ready, ttl_ms) in zip(items, timed, strict=True):
+            dedup_id = it.dedup_id if window else ""
+            if dedup_id:
+                if dedup_id in table:
+                    ref, at = table[dedup_id]
+                    if now < at + window:
+                        plan.append(("dup", ref))
+                        notes.add("a duplicate of the table" + (
+                            ", 1 ms before the window's edge" if now == at + window - 1
+                            else ""))
+                        continue
+                    notes.add("an id again at the window's edge" if now == at + window
+                              else "an id again past its window")
+                if dedup_id in seen:
+                    plan.append(("same", seen[dedup_id]))
+                    notes.add("an id twice in one batch")
+                    continue
+                seen[dedup_id] = len(new)
+            elif it.dedup_id:
+                notes.add("dedup off (window 0)")
+            plan.append(len(new))
+            new.append((it.data, ready, ttl_ms, round(it.retry_s * 1000), it.priority, dedup_id))
+        if not new:
+            return plan, None, [self._answer_ref(step[1]) for step in plan], notes | {
+                "duplicates only"}
+        refused = self.refusal(queue, len(new))
+        if refused:
+            return refused
+        targets = tuple((name, self.view(name).max_id + 1) for name in names)
+        for data, ready, ttl_ms, retry_ms, priority, _ in new:
+            for name in names:
+                self._add(name, ModelMessage(data, ready, ttl_ms, retry_ms, priority=priority))
+        cutoff = max(0, now - window)
+        ids = [tuple((name, first + k) for name, first in targets) if virtual
+               else targets[0][1] + k for k in range(len(new))]
+        if virtual:
+            table = self.vdedup.get(queue)
+            if table is None and any(item[5] for item in new):
+                table = self.vdedup[queue] = {}
+        else:
+            table = self.queues[queue].dedup
+        if table is not None:
+            before = len(table)
+            prune(table, cutoff)
+            if len(table) < before:
+                notes.add("pruned")
+            for k, item in enumerate(new):
+                if item[5]:
+                    if item[5] not in table and len(table) >= DEDUP_BOUND:
+                        del table[next(iter(table))]
+                        notes.add("an id pushed out by the bound")
+                    table[item[5]] = (ids[k], now)
+            if virtual and not table:
+                del self.vdedup[queue]
+        answer = []
+        for step in plan:
+            if type(step) is int:
+                answer.append(self._answer_ref(ids[step]))
+            elif step[0] == "same":
+                answer.append(self._answer_ref(ids[step[1]]))
+            else:
+                answer.append(self._answer_ref(step[1]))
+        return plan, (targets, tuple(new), cutoff), answer, notes
+
+    @staticmethod
+    def _answer_ref(ref):
+        """A msg_id as an answer names it: an int, or {real queue: msg_id}."""
+        return ref if type(ref) is int else dict(ref)
+
+    def clear(self, queue):
+        """How many messages were removed, or 'virtual'. The settings,
+        max_id and dedup table stay."""
+        if queue in VIRTUAL:
+            return "virtual"
+        q = self.queues.get(queue)
+        if q is None:
+            return 0
+        count = len(q.msgs)
+        q.msgs = {}
+        return count
 
     # -- leaving the queue ---------------------------------------------
 
@@ -328,14 +524,28 @@ class Model:
             q.dead_letter = changes["dead_letter"] or None
         return q.settings()
 
+    def dedup_edges(self, now):
+        """The times after `now` at which a dedup id stops being a duplicate,
+        and one ms before (the window's edge, for `advance`)."""
+        out = []
+        tables = [(q.window(), q.dedup) for q in self.queues.values()]
+        tables += [(self.view(VIRTUAL[name][0]).window(), t) for name, t in self.vdedup.items()]
+        for window, table in tables:
+            for _, at in table.values():
+                out += [t for t in (at + window - 1, at + window) if t > now]
+        return out
+
     # -- views ---------------------------------------------------------
 
     def wire(self):
         """The state in `Store.to_wire()`'s layout: per queue [name,
-        max_id, messages] plus the settings set and the counter; per
-        message [id, data, ready, ttl, retry, lease end or 0], then, once
-        delivered, deliveries, nacks, the receipt's epoch and the final
-        reason, then a dead letter's origin queue, id and reason."""
+        max_id, messages] plus the settings set, the counter and the dedup
+        table ([dedup_id, ref, accepted at] oldest first); per message [id,
+        data, ready, ttl, retry, lease end or 0], then, once delivered,
+        deliveries, nacks, the receipt's epoch and the final reason, then a
+        dead letter's origin queue, id and reason, then the priority unless
+        it is the default; then per virtual queue with a dedup table [name,
+        0, [], {"virtual": true, "dedup": table}]."""
         out = []
         for name in sorted(self.queues):
             q = self.queues[name]
@@ -347,11 +557,17 @@ class Model:
                             REASON_CODES[m.final]]
                 if m.origin:
                     row += [m.origin[0], m.origin[1], REASON_CODES[m.origin[2]]]
+                if m.priority != DEFAULT_PRIORITY:
+                    row.append(m.priority)
                 msgs.append(row)
             extras = dict(q.config)
             if q.dead_lettered:
                 extras["dead_lettered"] = q.dead_lettered
+            if q.dedup:
+                extras["dedup"] = dedup_wire(q.dedup)
             out.append([name, q.max_id, msgs, extras] if extras else [name, q.max_id, msgs])
+        for name in sorted(self.vdedup):
+            out.append([name, 0, [], {"virtual": True, "dedup": dedup_wire(self.vdedup[name])}])
         return out
 
     def show(self, msg_id, m, now):
@@ -360,7 +576,7 @@ class Model:
             state = "ready" if m.ready <= now else "delayed"
         else:
             state = "in_flight" if m.final or m.lease_end > now else "ready"
-        view = {"msg_id": msg_id, "state": state, "data": m.data, "priority": DEFAULT_PRIORITY,
+        view = {"msg_id": msg_id, "state": state, "data": m.data, "priority": m.priority,
                 "ready_at": m.ready / 1000, "ttl": m.ttl / 1000, "retry": m.retry / 1000,
                 "retry_at": m.lease_end / 1000 if state == "in_flight" else 0,
                 "deliveries": m.deliveries,
@@ -388,6 +604,20 @@ class Model:
     def next_final_ms(self):
         ends = [m.lease_end for q in self.queues.values() for m in q.msgs.values() if m.final]
         return min(ends) if ends else None
+
+    def next_ready_ms(self, queue):
+        """The earliest due time of its messages (due now or not), or None;
+        None while paused out."""
+        q = self.queues[queue]
+        if q.paused() in ("out", "all"):
+            return None
+        due = [m.due() for m in q.msgs.values() if m.due() is not None]
+        return min(due) if due else None
+
+
+def dedup_wire(table):
+    return [[dedup_id, [list(t) for t in ref] if type(ref) is tuple else ref, at]
+            for dedup_id, (ref, at) in table.items()]
 
 
 # Times as clients send them: None, relative seconds (some fractional), or
@@ -434,22 +664,39 @@ receipt_spec = st.sampled_from(["none", "none", "current", "current", "current",
 
 CONSUMED = REAL * 3 + (DLQ, DLQ) + tuple(VIRTUAL) + (UNKNOWN,)
 DEAD_LETTER_NAMES = ("", DLQ, DLQ, DLQ, "alpha", "beta", "gamma", "fan", "fan")
-# What a config (5) `set` holds: one setting or both (never empty: that is
-# a read, which decides nothing).
+# Dedup windows: short ones (so that advancing time crosses their edges),
+# 0 (off) and the default.
+WINDOWS = (0, 1000, 1000, 2500, 2500, DEFAULT_WINDOW_MS)
+# What a config (5) `set` holds: one setting or two (never empty: that is
+# a read, which decides nothing). Mostly `none` for paused: a paused queue
+# refuses produces until it is resumed.
 changes_spec = st.one_of(
     st.fixed_dictionaries({"max_deliveries": st.integers(0, 3)}),
     st.fixed_dictionaries({"dead_letter": st.sampled_from(DEAD_LETTER_NAMES)}),
     st.fixed_dictionaries({"max_deliveries": st.integers(0, 3),
-                           "dead_letter": st.sampled_from(DEAD_LETTER_NAMES)}))
+                           "dead_letter": st.sampled_from(DEAD_LETTER_NAMES)}),
+    st.fixed_dictionaries({"paused": st.sampled_from(["none", "none", "none", "in", "out",
+                                                      "all"])}),
+    st.fixed_dictionaries({"max_size": st.sampled_from([0, 0, 2, 3, 8])}),
+    st.fixed_dictionaries({"dedup_window_ms": st.sampled_from(WINDOWS)}),
+    st.fixed_dictionaries({"dedup_window_ms": st.sampled_from(WINDOWS),
+                           "paused": st.sampled_from(["none", "out"])}))
 message_spec = st.tuples(delay_spec, ttl_spec, retry_spec)
+# Priorities: mostly the default, some on both sides of it and next to it.
+priority_spec = st.sampled_from([DEFAULT_PRIORITY] * 4 + [0, 7, 1023, 1025, 4000])
+# "near": the id of the queue's table whose window ends nearest to now (after
+# an advance to the next deadline, one at its window's edge).
+dedup_spec = st.one_of(st.just(""), st.sampled_from(DEDUP_IDS + ("near", "near")))
 
 
 class StoreMachine(RuleBasedStateMachine):
     # Most runs start with some queues configured (through Configure
     # entries, as a client's config would), so that dead letters are common.
+    # Some with a short dedup window, so that its edge is crossed.
     @initialize(start=st.lists(st.tuples(st.sampled_from(REAL), st.fixed_dictionaries({
         "max_deliveries": st.sampled_from([0, 1, 2, 2, 3]),
-        "dead_letter": st.sampled_from(DEAD_LETTER_NAMES)})), max_size=3))
+        "dead_letter": st.sampled_from(DEAD_LETTER_NAMES)},
+        optional={"dedup_window_ms": st.sampled_from(WINDOWS[1:5])})), max_size=3))
     def setup(self, start):
         self.store = Store(queue_size=QUEUE_SIZE, virtual_queues=VIRTUAL)
         self.model = Model()
@@ -530,17 +777,111 @@ class StoreMachine(RuleBasedStateMachine):
         req = ProduceRequest(queue=queue, data=data, delay_s=delay_s, ttl_s=ttl_s, retry_s=retry)
         out, snapshot = self._decide(lambda: self.store.decide_produce(req, self.now))
         expected = self.model.produce(queue, data, delay_s, ttl_s, retry, self.now)
-        if expected == "time error":
-            event("produce: time error")
-            assert out == "time error"
-        elif type(expected[0]) is str and expected[0] == "full":
-            event("produce: queue full")
-            assert type(out) is str and "full" in out and expected[1] in out, (out, expected)
+        if isinstance(expected, str):
+            event(f"produce: {expected.split(':')[0]}")
+            assert out == expected, (out, expected)
         else:
             event(f"produce: into {len(expected)} queue(s)")
             assert type(out) is Produce, out
             assert out.targets == expected
             assert self._apply(out, snapshot) == expected
+
+    # A produce with priority or dedup_id (batch=False: one item, the single
+    # form's answer) or with `messages` (1-5 items).
+    @rule(queue=st.sampled_from(REAL * 2 + tuple(VIRTUAL)),
+          items=st.lists(st.tuples(message_spec, priority_spec, dedup_spec), min_size=1,
+                         max_size=5),
+          batch=st.sampled_from([True, True, False]))
+    def produce_batch(self, queue, items, batch):
+        if not batch:
+            items = items[:1]
+        parsed = []
+        for (delay, ttl, retry), priority, dedup_id in items:
+            if dedup_id == "near":
+                dedup_id = self._near_id(queue)
+            self.counter += 1
+            parsed.append(ProduceItem(data=f"m{self.counter}", delay_s=self._resolve(delay),
+                                      ttl_s=self._resolve(ttl), retry_s=retry,
+                                      priority=priority, dedup_id=dedup_id))
+        req = ProduceBatchRequest(queue=queue, items=tuple(parsed), batch=batch)
+        out, snapshot = self._decide(lambda: self.store.decide_produce_batch(req, self.now))
+        expected = self.model.produce_batch(queue, parsed, batch, self.now)
+        kind = "batch" if batch else "single"
+        if isinstance(expected, str):
+            event(f"{kind} produce: {expected.split(':')[0]}")
+            assert out == expected, (out, expected)
+            return
+        plan, decided, answer, notes = expected
+        for note in notes:
+            event(f"dedup: {note}")
+        assert type(out) is tuple and out[1] == plan, (out, plan)
+        entry = out[0]
+        if decided is None:
+            assert entry is None
+            targets = ()
+        else:
+            targets, new, cutoff = decided
+            assert entry == ProduceBatch(queue=queue, targets=targets, items=new,
+                                         accepted_ms=self.now, cutoff_ms=cutoff), (entry, decided)
+            assert self._apply(entry, snapshot) == targets
+            event(f"{kind} produce: {len(new)} stored of {len(items)}"
+                  + (", prioritized" if any(i[4] != DEFAULT_PRIORITY for i in new) else ""))
+        # The answer as the service builds it from the plan and the targets.
+        ids = []
+        for step in plan:
+            if type(step) is int or step[0] == "same":
+                k = step if type(step) is int else step[1]
+                ids.append({name: first + k for name, first in targets} if queue in VIRTUAL
+                           else targets[0][1] + k)
+            else:
+                ids.append(step[1] if type(step[1]) is int else dict(step[1]))
+        assert ids == answer, (ids, answer)
+
+    def _table(self, queue):
+        """The model's dedup table of `queue` and the window that applies."""
+        model = self.model
+        if queue in VIRTUAL:
+            return model.vdedup.get(queue, {}), model.view(VIRTUAL[queue][0]).window()
+        return model.view(queue).dedup, model.view(queue).window()
+
+    def _near_id(self, queue):
+        table, window = self._table(queue)
+        if not table:
+            return DEDUP_IDS[0]
+        return min(table, key=lambda d: abs(self.now - table[d][1] - window))
+
+    # The window's edge, exactly: time moves to the end of the window of the
+    # id of the queue's table that ends first (or to 1 ms before), and a
+    # produce repeats that id: a duplicate 1 ms before, a new message at it.
+    @rule(queue=st.sampled_from(REAL + tuple(VIRTUAL)), before=st.sampled_from([0, 1]),
+          priority=priority_spec, batch=st.booleans())
+    def produce_at_a_windows_edge(self, queue, before, priority, batch):
+        table, window = self._table(queue)
+        ends = sorted((at + window - before, d) for d, (_, at) in table.items()
+                      if at + window - before > self.now)
+        if not window or not ends:
+            return
+        self.now, dedup_id = ends[0]
+        self.produce_batch(queue, [((None, None, 1), priority, dedup_id)], batch)
+
+    @rule(queue=st.sampled_from(REAL * 2 + (DLQ,) + tuple(VIRTUAL) + (UNKNOWN,)))
+    def clear(self, queue):
+        out, snapshot = self._decide(lambda: self.store.decide_clear(queue))
+        gone = [(queue, i) for i in self.model.queues[queue].msgs] \
+            if queue in self.model.queues else []
+        expected = self.model.clear(queue)
+        if expected == "virtual":
+            assert out == "virtual queue only takes produce"
+        elif expected == 0:
+            event("clear: nothing to remove")
+            assert out is None
+        else:
+            event("clear: removes " + ("1 message" if expected == 1 else "several"))
+            assert out == Clear(queue=queue)
+            assert self._apply(out, snapshot) == expected
+            self.gone.update(gone)
+        if queue == UNKNOWN:
+            assert self.store.get(UNKNOWN) is None
 
     def _consume(self, names, count, lease, many):
         """One consume request as the service runs it: moves first, then
@@ -762,7 +1103,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert type(out) is str and out.startswith(expected.replace("virtual", "virtual "))
             return
         event("configure: max_deliveries at or below a message's deliveries" if lowered
-              else "configure: set")
+              else "configure: " + ", ".join(f"{k} {v}" if k == "paused" else k
+                                             for k, v in sorted(changes.items())))
         assert out == Configure(queue=queue, settings=tuple(sorted(changes.items())))
         assert self._apply(out, snapshot) == expected
 
@@ -774,21 +1116,28 @@ class StoreMachine(RuleBasedStateMachine):
     # `tick`: the master's timer runs and moves out the final deliveries
     # whose lease ran out (`limit` at a time); without it they wait, as they
     # do between a master's loss and the next master's first tick.
+    # The next deadline may be a dedup id's window's edge (or 1 ms before).
+    # `failover` -1: a new master whose clock is 1.5 s behind the old one's.
     @rule(ms=st.tuples(st.integers(0, 19), st.integers(0, 40), st.integers(0, 20_000)).map(
         lambda t: HOUR_MS if t[0] == 0 else None if t[0] < 4 else t[1] * 250 if t[0] < 14
         else t[2]),
         tick=st.sampled_from([True, True, True, False]), limit=st.integers(1, 3),
-        failover=st.sampled_from([0, 0, 0, 0, 1, 2]))
+        failover=st.sampled_from([0, 0, 0, 0, 1, 2, -1]))
     def advance(self, ms, tick, limit, failover):
         if ms is None:
             later = [t for q in self.model.queues.values() for m in q.msgs.values()
                      for t in (m.ready, m.lease_end) if t is not None and t > self.now]
+            later += self.model.dedup_edges(self.now)
             ms = min(later) - self.now if later else 250
             event("advance: to the next deadline")
         self.now += ms
         # Another master takes over: its deliveries carry a higher epoch;
         # the old one's receipts stay current until their message is
         # delivered again.
+        if failover < 0:
+            self.now -= 1500
+            failover = 1
+            event("advance: a new master with a slower clock")
         self.epoch += failover
         if not tick:
             return
@@ -839,7 +1188,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert q.settings() == mq.settings()
             assert q.dead_lettered == mq.dead_lettered
             for msg_id, m in mq.msgs.items():
-                assert message_view(msg_id, q.messages[msg_id], now) == model.show(msg_id, m, now)
+                assert message_view(msg_id, q.messages[msg_id], now, q.priorities.get(
+                    msg_id, DEFAULT_PRIORITY)) == model.show(msg_id, m, now)
                 if m.receipt is not None:
                     assert store.check_receipt(name, msg_id, m.receipt)
             # What consumes would deliver next, in order (peek), and the
@@ -848,10 +1198,14 @@ class StoreMachine(RuleBasedStateMachine):
             order = mq.deliverable(now)  # what consumes take next, to deliver or to move out
             assert q.next_due(now) == (order[0] if order else None)
             assert list(q.due(now)) == order
-            oldest = mq.msgs[order[0]].due() if order else None
+            # (the longest-ready one: not the most urgent, with priorities)
+            oldest = min(mq.msgs[i].due() for i in order) if order else None
             assert q.oldest_ready_ms(now) == oldest
             assert q.counts(now) == model.counts(name, now)
             assert q.wait_status(now) == model.wait_status(name, now)
+            # When a parked consume must wake (also with a clock behind the
+            # times an earlier master read at).
+            assert q.next_ready_ms() == model.next_ready_ms(name)
         for (name, msg_id), receipts in model.handed_out.items():
             for receipt in receipts:
                 assert store.check_receipt(name, msg_id, receipt) == \
@@ -933,3 +1287,70 @@ def test_a_final_delivery_whose_lease_ran_out_is_not_in_flight():
     receipt = (EPOCH, 1, 1)
     assert store.decide_touch("q", 1, receipt, 60_000, later) == "not in flight"
     assert store.decide_nack("q", 1, receipt, later, later) == "not in flight"
+
+
+def _items(*specs):
+    """produce_batch's items: (priority, dedup_id) each, ready now, ttl and
+    retry by default."""
+    return [((None, None, 0), priority, dedup_id) for priority, dedup_id in specs]
+
+
+def test_the_windows_edge_through_the_machine():
+    """spec15: accepted at t with window W: a duplicate at t + W - 1, not at
+    t + W (then accepted again, with the new time)."""
+    machine = run_steps([("alpha", {"max_deliveries": 0, "dead_letter": "",
+                                    "dedup_window_ms": 1000})], [
+        ("produce_batch", {"queue": "alpha", "items": _items((DEFAULT_PRIORITY, "d1")),
+                           "batch": False}),
+        ("advance", {"ms": 999, "tick": False, "limit": 1, "failover": 0}),
+        ("produce_batch", {"queue": "alpha", "items": _items((DEFAULT_PRIORITY, "d1")),
+                           "batch": True}),
+        ("advance", {"ms": 1, "tick": False, "limit": 1, "failover": 0}),
+        ("produce_batch", {"queue": "alpha", "items": _items((5, "d1"), (5, "d1")),
+                           "batch": True}),
+    ])
+    q = machine.model.queues["alpha"]
+    assert q.max_id == 2 and q.dedup == {"d1": (2, machine.now)}
+
+
+def test_the_bound_drops_the_oldest_through_the_machine():
+    machine = run_steps([], [
+        ("produce_batch", {"queue": "fan", "items": _items((0, "d1"), (DEFAULT_PRIORITY, "d2"),
+                                                           (4000, "d3")), "batch": True}),
+        ("advance", {"ms": 250, "tick": True, "limit": 1, "failover": 0}),
+        ("produce_batch", {"queue": "fan", "items": _items((DEFAULT_PRIORITY, "d4")),
+                           "batch": False}),
+        ("produce_batch", {"queue": "fan", "items": _items((DEFAULT_PRIORITY, "d1"),
+                                                           (DEFAULT_PRIORITY, "d3")),
+                           "batch": True}),
+    ])
+    assert list(machine.model.vdedup["fan"]) == ["d3", "d4", "d1"]  # d1 and d2 went
+    assert [q.max_id for _, q in sorted(machine.model.queues.items())] == [5, 5]
+
+
+def test_priorities_pause_and_clear_with_a_slower_clock_through_the_machine():
+    machine = run_steps([], [
+        ("produce_batch", {"queue": "beta", "items": _items((1025, ""), (7, ""), (0, "d2")),
+                           "batch": True}),
+        ("produce", {"queue": "beta", "messages": [(None, None, 1)]}),
+        ("configure", {"queue": "beta", "changes": {"paused": "out"}}),
+        ("consume", {"queue": "beta", "times": 1, "lease": 0}),
+        ("advance", {"ms": 3000, "tick": True, "limit": 1, "failover": 0}),
+        ("configure", {"queue": "beta", "changes": {"paused": "none"}}),
+        ("consume_many", {"names": ["beta"], "count": 2, "lease": 0}),
+        ("advance", {"ms": 0, "tick": True, "limit": 1, "failover": -1}),
+        ("produce_batch", {"queue": "beta", "items": _items((1023, "")), "batch": False}),
+        ("consume", {"queue": "beta", "times": 2, "lease": 0}),
+        ("configure", {"queue": "beta", "changes": {"paused": "in"}}),
+        ("produce_batch", {"queue": "beta", "items": _items((0, "d2")), "batch": False}),
+        ("clear", {"queue": "beta"}),
+        ("configure", {"queue": "beta",
+                       "changes": {"paused": "none", "dedup_window_ms": 2500}}),
+        ("produce_batch", {"queue": "beta", "items": _items((0, "d2")), "batch": False}),
+        ("configure", {"queue": "beta", "changes": {"max_size": 2}}),
+        ("produce_batch", {"queue": "beta", "items": _items((0, ""), (0, "")), "batch": True}),
+    ])
+    q = machine.model.queues["beta"]
+    # d2 after the clear, 1.5 s after it was first accepted: still a duplicate
+    assert q.max_id == 7 and sorted(q.msgs) == [6, 7]
+    assert q.dedup == {"d2": (3, START_MS + 123)}
