@@ -138,9 +138,10 @@ _UNDEDUP = "undedup"  # (tag, table owner, virtual, DedupTable changes)
 # A dedup table holds at most this many ids (per queue): at ~300 bytes an id
 # of 36 characters (bench/producer_bench.py measures it: the id string 85,
 # the (ref, time) tuple 56, the msg_id 28, the OrderedDict's slot and node
-# ~90), 1,000,000 ids are ~285 MB, the bound of one queue's table. Past it the oldest ids go first, even inside
-# the window: a producer that resends after a million newer dedup ids is
-# not recognised (README, "Idempotent produce").
+# ~90), 1,000,000 ids are ~285 MB, the bound of one queue's table. Past it
+# the oldest ids go first, even inside the window: a producer that resends
+# after a million newer dedup ids is not recognised (README, "Idempotent
+# produce").
 DEDUP_MAX_IDS = 1_000_000
 
 # wait_status sums the waiting time of at most this many of the oldest ready
