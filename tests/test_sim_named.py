@@ -1244,3 +1244,39 @@ def test_dedup_id_in_a_snapshot_is_recognised_by_a_master_restored_from_it(seed)
     m = settle(net)
     assert len(dedup_items(net, "k1")) == 1
     work.final_check(m)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_dedup_window_turned_off_and_on_for_a_virtual_queue(seed):
+    """Virtual queue ab (a, b) takes its dedup window from a. A produce to
+    ab with dedup id v1 is stored; a's window is turned off (0): a resend
+    of v1 is stored again (duplicate false: dedup ids are ignored), and
+    prunes ab's table. Turned on again, the table has forgotten v1: the
+    next resend is stored once more, and the one after it is its
+    duplicate. The Checker compares every store with the committed
+    history (Store._check included) when the cluster settles: the table
+    pruned to nothing is gone (found by this sim and the store's producer
+    tests: it used to stay, empty)."""
+    net = Network(3, seed, virtual_queues={"ab": ("a", "b")})
+    work = Workload(net, random.Random(seed), at_master=True, max_attempts=10, timeout_ms=300)
+    elect(net)
+
+    def send(req):
+        assert net.run_until(lambda: req.acked is not None, 3_000), req.outcomes
+        return req
+
+    first = send(request_of(work, work.produce("ab", dedup_id="v1", retry_s=0, delay_s=None,
+                                               ttl_s=None)))
+    [(named, duplicate, _k)] = first.answer
+    assert not duplicate and [q for q, _i in named] == ["a", "b"]
+    send(work.configure("a", {"dedup_window_ms": 0}))
+    [(off, duplicate, _k)] = send(work.resend(first)).answer
+    assert not duplicate and off != named
+    settle(net)
+    send(work.configure("a", {"dedup_window_ms": 300_000}))
+    [(on, duplicate, _k)] = send(work.resend(first)).answer
+    assert not duplicate and on not in (named, off)
+    assert send(work.resend(first)).answer == [(on, True, None)]
+    m = settle(net)
+    assert len(dedup_items(net, "v1")) == 2  # the one stored with the window off records none
+    work.final_check(m)
