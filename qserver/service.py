@@ -106,6 +106,10 @@ EXPIRE_RETRY_MS = 1000
 # The answers that say a receipt or an in-flight state did not match: they
 # append no entry, so they rest on committed state (read index).
 _READ_ERRORS = frozenset({"stale receipt", "not in flight"})
+# ...and the produce refusals that rest on the queue's state (its size, a
+# pause set by an entry): a cut-off master must not refuse on a state that
+# never commits.
+_STATE_REFUSALS = ("queue full", "queue paused")
 
 
 class _Waiter:
@@ -430,7 +434,7 @@ class Service:
         pop("retry", None)
         outcome = self.store.decide_produce(req, now_ms)
         if isinstance(outcome, str):
-            respond(error_response(outcome, obj))
+            self._refuse(obj, outcome, respond)
             return
         virtual = req.queue in self.store.virtual_queues
 
@@ -461,7 +465,7 @@ class Service:
             pop(name, None)
         outcome = self.store.decide_produce_batch(req, now_ms)
         if isinstance(outcome, str):
-            respond(error_response(outcome, obj))
+            self._refuse(obj, outcome, respond)
             return
         entry, plan = outcome
         virtual = req.queue in self.store.virtual_queues
@@ -700,8 +704,9 @@ class Service:
 
     def _refuse(self, obj: JsonObject, reason: str, respond: Respond) -> None:
         """A refusal: one that rests on the state (a receipt that does not
-        match, a message not in flight) waits for the read index."""
-        if reason in _READ_ERRORS:
+        match, a message not in flight, a full or paused queue) waits for
+        the read index."""
+        if reason in _READ_ERRORS or reason.startswith(_STATE_REFUSALS):
             self._refuse_read(obj, reason, respond)
         else:
             respond(error_response(reason, obj))

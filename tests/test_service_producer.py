@@ -745,6 +745,33 @@ def test_a_duplicate_answer_waits_for_the_read_index():
     assert engine.log.last_trans_id == log_length
 
 
+def test_full_and_paused_refusals_wait_for_the_read_index():
+    # They rest on the queue's state (its size, a pause set by an entry): a
+    # cut-off master must not refuse on what never commits.
+    service, engine = _deferring(queue_size=1)
+    out: list = []
+    service.handle({"action": 1, "queue": "q", "data": "x"}, NOW, out.append)
+    service.handle({"action": 5, "queue": "p", "set": {"paused": "in"}}, NOW, out.append)
+    for write in engine.writes:
+        write()
+    assert [r["code"] for r in out] == [0, 0]
+    requests = [
+        {"action": 1, "queue": "q", "data": "y", "seq": 1},
+        {"action": 1, "queue": "q", "messages": [{"data": "y"}], "seq": 2},
+        {"action": 1, "queue": "p", "data": "y", "seq": 3},
+        {"action": 1, "queue": "p", "data": "y", "priority": 1, "seq": 4},
+    ]
+    for req in requests:
+        service.handle(req, NOW, out.append)
+    assert len(out) == 2 and len(engine.reads) == 4
+    engine.reads.pop()(None, OUTCOME_UNKNOWN)  # the master lost its role first
+    for done in engine.reads:
+        done(None, None)
+    assert [(r["seq"], r["reason"]) for r in out[2:]] == [
+        (4, OUTCOME_UNKNOWN), (1, "queue full: q"), (2, "queue full: q"),
+        (3, "queue paused")]
+
+
 def test_a_batch_with_new_messages_is_a_write_not_a_read():
     service, engine = _deferring()
     out: list = []
