@@ -173,6 +173,58 @@ def test_space_allocated_ahead_is_no_damage(tmp_path):
     assert seg.read_bytes() == b"".join(fmt.encode_record(r) for r in got.records)
 
 
+@pytest.mark.parametrize("block", [1, 7, 64, 1000])
+def test_segments_read_in_blocks_of_any_size(tmp_path, monkeypatch, block):
+    """Recovery reads a segment in blocks (recovery._SEGMENT_BLOCK), so
+    frames, headers and the zeros allocated ahead straddle block ends:
+    the records, the place of the next append, a torn tail (cut) and
+    corruption before valid records (refused) come out as with the whole
+    file."""
+    from qserver.storage import recovery
+
+    monkeypatch.setattr(recovery, "_SEGMENT_BLOCK", block)
+    seg = write_log(tmp_path, n=10)
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, 10) and got.reports == []
+    storage.append(recs(11, 12, vote_id=2))
+    storage.sync()
+    storage.abandon()  # a crash: zeros allocated ahead stay after record 12
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, 10) + recs(11, 12, vote_id=2) and got.reports == []
+    storage.close()
+    data = seg.read_bytes()
+    seg.write_bytes(data[:-5] + bytes(100))  # the last record torn, zeros after it
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.records == recs(1, 10) + recs(11, 11, vote_id=2)
+    assert len(got.reports) == 1 and "cut" in got.reports[0]
+    storage.close()
+    data = seg.read_bytes()
+    first = len(fmt.encode_record(rec(1)))
+    seg.write_bytes(data[:first + 9] + b"x" + data[first + 10:])  # record 2 damaged
+    with pytest.raises(StorageError, match="before valid records"):
+        open_dir(tmp_path, segment_bytes=1 << 20)
+
+
+def test_records_covered_by_the_snapshot_are_checked_not_returned(tmp_path):
+    """Records at or below the snapshot are read (damage there still stops
+    the node) but not returned; those returned share their queue names."""
+    storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
+    storage.append(recs(1, 40))
+    storage.write_snapshot(30, 1, state_for(30))
+    storage.close()
+    storage, got = open_dir(tmp_path, segment_bytes=1 << 20)
+    assert got.snapshot[0] == 30 and got.records == recs(31, 40)
+    names = {id(r.entry.targets[0][0]) for r in got.records if type(r.entry) is Produce}
+    assert len(names) == 1
+    storage.close()
+    seg = segment_files(tmp_path)[0]
+    data = seg.read_bytes()
+    first = len(fmt.encode_record(rec(1)))
+    seg.write_bytes(data[:first + 9] + b"x" + data[first + 10:])  # record 2, below the snapshot
+    with pytest.raises(StorageError, match="before valid records"):
+        open_dir(tmp_path, segment_bytes=1 << 20)
+
+
 def test_the_current_segment_is_zero_filled_ahead_and_trimmed_when_done(tmp_path):
     storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
     storage.append(recs(1, 3))

@@ -88,9 +88,10 @@ from .recovery import (
     StorageError,
     fit_log_to_snapshot,
     read_file,
+    read_snapshot,
     read_vote,
     recover_log,
-    recover_snapshot,
+    settle_snapshots,
 )
 
 __all__ = ["DiskStorage", "Recovered", "StorageError", "SEGMENT_BYTES", "snapshot_file_name",
@@ -340,24 +341,26 @@ class DiskStorage:
         snapshot_ids = sorted((int(m[1]) for n in names if (m := _SNAPSHOT_RE.match(n))),
                               reverse=True)
 
+        # The snapshot first, so that the log's records at or below it are
+        # checked and dropped one by one rather than all held until it is
+        # chosen (a million-message node's peak after a restart).
+        snapshot_files = [(sid, self._snapshot_path(sid)) for sid in snapshot_ids]
+        snapshot, skipped = read_snapshot(snapshot_files, report, sink_factory)
+        base = snapshot[0] if snapshot is not None else 0
         found = recover_log([(first, self._segment_path(first)) for first in segment_ids],
-                            report)
+                            report, keep_after=base)
         self._dir_dirty |= found.dir_changed
-        snapshot, dir_changed = recover_snapshot(
-            [(sid, self._snapshot_path(sid)) for sid in snapshot_ids], found.records, report,
-            sink_factory)
-        self._dir_dirty |= dir_changed
+        self._dir_dirty |= settle_snapshots(snapshot_files, snapshot, skipped, found)
         found = fit_log_to_snapshot(found, snapshot, report)
         self._dir_dirty |= found.dir_changed
-        records, segments, last_buf = found.records, found.segments, found.last_buf
-        base = snapshot[0] if snapshot is not None else 0
+        records, segments = found.records, found.segments
 
         self._segments = segments
         self._base = base
         self._next_trans_id = records[-1].trans_id + 1 if records else base + 1
         if segments:
             last = segments[-1]
-            self._offsets = array("Q", frame_offsets(last_buf))
+            self._offsets = array("Q", found.last_offsets)
             if last.first + len(self._offsets) != self._next_trans_id:
                 # only records at or below the snapshot remain in it; they end
                 # at the snapshot point (checked above), so this cannot happen

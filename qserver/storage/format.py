@@ -131,9 +131,11 @@ class Problem(NamedTuple):
 
 
 class ScanResult(NamedTuple):
-    records: list[Record]  # every valid record before the problem, in order
+    records: list[Record]  # every valid record before the problem, in order (above keep_after)
     good_end_offset: int  # end of the last valid frame (absolute)
     problem: Problem | None  # None: the buffer held whole, valid frames only
+    last_trans_id: int | None = None  # of the last valid record, kept or not (None: none)
+    vote_at_keep_after: int | None = None  # vote_id of the record at keep_after, if seen
 
 
 # -- log records ------------------------------------------------------------
@@ -196,7 +198,7 @@ def _decode_payload(payload: Any) -> Record | str:
 
 
 def scan(buf: bytes | bytearray | memoryview, base_offset: int = 0, *,
-         first_trans_id: int | None = None) -> ScanResult:
+         first_trans_id: int | None = None, keep_after: int | None = None) -> ScanResult:
     """Decode the frames in `buf`, stopping at the first problem.
 
     Args:
@@ -204,8 +206,15 @@ def scan(buf: bytes | bytearray | memoryview, base_offset: int = 0, *,
         base_offset: the file offset of buf[0]; offsets in the result count it.
         first_trans_id: the trans_id the first record must have (a segment's
             name); None accepts any. Later records must follow one by one.
+        keep_after: records at or below this trans_id are checked like the
+            others but not returned (recovery: what a snapshot covers; their
+            memory is reused at once instead of held until the whole log is
+            read). None keeps all.
     Returns:
-        ScanResult; `problem` is None when the whole buffer was valid.
+        ScanResult; `problem` is None when the whole buffer was valid. The
+        records returned share equal queue names and times between
+        neighbours (as the store's produces do), so that a long recovered
+        log holds one string per queue, not one per record.
     Cost: O(len(buf)).
     """
     view = memoryview(buf)
@@ -213,10 +222,15 @@ def scan(buf: bytes | bytearray | memoryview, base_offset: int = 0, *,
     unpack_from = _FRAME.unpack_from
     records: list[Record] = []
     expect = first_trans_id
+    last_id: int | None = None
+    vote_at: int | None = None
+    keep_from = -1 if keep_after is None else keep_after
+    share = _Sharer()
     pos = 0
 
     def stop(kind: str, reason: str) -> ScanResult:
-        return ScanResult(records, base_offset + pos, Problem(kind, base_offset + pos, reason))
+        return ScanResult(records, base_offset + pos, Problem(kind, base_offset + pos, reason),
+                          last_id, vote_at)
 
     while pos < size:
         if size - pos < FRAME_HEADER_BYTES:
@@ -235,12 +249,49 @@ def scan(buf: bytes | bytearray | memoryview, base_offset: int = 0, *,
         record = _decode_payload(payload)
         if isinstance(record, str):
             return stop("corrupt", record)
-        if expect is not None and record.trans_id != expect:
-            return stop("corrupt", f"trans_id {record.trans_id} where {expect} was due")
-        expect = record.trans_id + 1
-        records.append(record)
+        trans_id = record.trans_id
+        if expect is not None and trans_id != expect:
+            return stop("corrupt", f"trans_id {trans_id} where {expect} was due")
+        expect = trans_id + 1
+        last_id = trans_id
+        if trans_id > keep_from:
+            records.append(share(record))
+        elif trans_id == keep_from:
+            vote_at = record.vote_id
         pos = end
-    return ScanResult(records, base_offset + pos, None)
+    return ScanResult(records, base_offset + pos, None, last_id, vote_at)
+
+
+class _Sharer:
+    """Makes decoded produce records share what neighbours have in common:
+    the queue name (one string per queue instead of one per record) and the
+    (ready_ms, ttl_ms) pair, as `Store._apply_produce` does for the
+    messages. About 100 bytes less per record held, e.g. for the records a
+    recovered cluster node keeps in its in-memory log. Other kinds pass
+    unchanged."""
+
+    __slots__ = ("names", "times")
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        self.times: tuple[int, int] = (-1, -1)
+
+    def __call__(self, record: Record) -> Record:
+        entry = record[2]
+        if type(entry) is not Produce or len(entry[0]) != 1:
+            return record
+        ((name, msg_id),), data, ready_ms, ttl_ms, retry_ms = entry
+        name = self.names.setdefault(name, name)
+        times = self.times
+        if ready_ms == times[0] and ttl_ms == times[1]:
+            ready_ms, ttl_ms = times
+        else:
+            self.times = (ready_ms, ttl_ms)
+        entry = _new(Produce, (((name, msg_id),), data, ready_ms, ttl_ms, retry_ms))
+        return _new(Record, (record[0], record[1], entry))
+
+
+_new = tuple.__new__
 
 
 def resync(buf: bytes | bytearray | memoryview, start: int, *,
