@@ -88,6 +88,10 @@ class Node:
             obj, t, respond, forwarded=True, session=session)
         self.engine.on_fatal = self._engine_failed
         self.engine.on_role_change = self.service.role_changed
+        self.engine.release_answers = self._release_answers
+        # Client protocols holding answers back while the engine holds
+        # (Engine.holding), to release once it lets them go.
+        self._owed: list[ClientTcpProtocol | ClientUdpProtocol] = []
         self.service.schedule = self._schedule_tick
         # The service's timer (long polls, leases): one, at its earliest deadline.
         self._tick_timer: asyncio.TimerHandle | None = None
@@ -168,6 +172,17 @@ class Node:
         log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
                  f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
                  else "single node")
+
+    def owe(self, protocol: ClientTcpProtocol | ClientUdpProtocol) -> None:
+        """`protocol` holds answers back until the engine releases them (it
+        registers once until released)."""
+        self._owed.append(protocol)
+
+    def _release_answers(self) -> None:
+        """The engine's records are written: the answers held may go."""
+        owed, self._owed = self._owed, []
+        for protocol in owed:
+            protocol.release()
 
     def _schedule_tick(self, at_ms: int) -> None:
         """Call the service's `tick` at `at_ms` (unix ms), unless the timer

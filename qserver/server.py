@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .engines.base import JsonObject, Respond, Session
 from .errors import BadRequest, ProtocolError
@@ -87,6 +87,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         self._feed = self.decoder.feed
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
+        self._engine = node.engine
+        self.owed = False  # registered with the node to write answers held back
         # What this client has waiting (parked consumes): dropped when it goes.
         self.session = Session()
 
@@ -116,7 +118,10 @@ class ClientTcpProtocol(asyncio.Protocol):
             if type(item) is dict:
                 response = self._answer_now(item, t)
                 if response is not None:
-                    if self.transport is not None:
+                    if self._engine.holding:  # its record is not written yet
+                        self.slots.append([encode_response(response)])
+                        self._hold()
+                    elif self.transport is not None:
                         self.transport.write(encode_response(response))
                     return
         self._general(items, t)
@@ -189,10 +194,25 @@ class ClientTcpProtocol(asyncio.Protocol):
             self.too_many_slots = False
             self._update_reading()
 
+    def _hold(self) -> None:
+        """The engine holds answers back (Engine.holding): write them when
+        the node releases them."""
+        if not self.owed:
+            self.owed = True
+            self.node.owe(self)
+
+    def release(self) -> None:
+        """The node: the answers held back may go now."""
+        self.owed = False
+        self._flush()
+
     def _write_head(self) -> None:
         """Write the answers at the head of the queue that are ready."""
         transport = self.transport
         if transport is None:
+            return
+        if self._engine.holding:
+            self._hold()
             return
         slots = self.slots
         if len(slots) == 1:
@@ -248,6 +268,9 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         # Bound once: datagram_received runs per request.
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
+        self._engine = node.engine
+        # Answers held back while the engine holds (Engine.holding).
+        self.held: list[tuple[bytes, Any]] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -266,7 +289,10 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         payload = encode_response(response)
         transport = self.transport
         if len(payload) <= MAX_UDP_PAYLOAD and transport is not None:
-            transport.sendto(payload, addr)
+            if self._engine.holding:
+                self._hold(payload, addr)
+            else:
+                transport.sendto(payload, addr)
         else:
             self._send(response, addr)
 
@@ -279,7 +305,23 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
             response.pop("data", None)
             response.update(code=-1, reason="response too large for udp; use tcp")
             payload = encode_response(response)
-        self.transport.sendto(payload, addr)
+        if self._engine.holding:
+            self._hold(payload, addr)
+        else:
+            self.transport.sendto(payload, addr)
+
+    def _hold(self, payload: bytes, addr) -> None:
+        if not self.held:
+            self.node.owe(self)
+        self.held.append((payload, addr))
+
+    def release(self) -> None:
+        """The node: the answers held back may go now."""
+        held, self.held = self.held, []
+        transport = self.transport
+        if transport is not None:
+            for payload, addr in held:
+                transport.sendto(payload, addr)
 
     def error_received(self, exc: Exception) -> None:
         log.debug("udp error: %s", exc)

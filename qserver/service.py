@@ -174,7 +174,6 @@ class Service:
         self.config = config
         self.store = store
         self.engine = engine
-        self._commits_at_once = engine.commits_at_once
         self.max_wait_ms = config.max_wait_s * 1000
         # queue name -> its parked consumes by key, oldest first; a consume
         # of several queues is in the list of each. No empty lists.
@@ -224,7 +223,7 @@ class Service:
         field, a bool) takes the general path, which also words the
         reasons. Cost: that of the store's decide and apply.
         """
-        if not self._commits_at_once or not isinstance(obj, dict):
+        if not self.engine.commits_at_once or not isinstance(obj, dict):
             return None
         get = obj.get
         action = get("action")
@@ -448,7 +447,7 @@ class Service:
                 obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
             respond(obj)
 
-        if self._commits_at_once:  # single node: no callback on the hot path
+        if self.engine.commits_at_once:  # single node: no callback on the hot path
             done(self.engine.commit_now(outcome), None)
         else:
             self.engine.propose(outcome, done)
@@ -927,7 +926,7 @@ class Service:
         """Send `response`, computed from the master's state now, once that
         state rests on committed entries only (Engine.read_index); if the
         master loses its role first, answer `request` with the error."""
-        if self._commits_at_once:  # a lone node in memory: its state is committed
+        if self.engine.commits_at_once:  # a lone node: its state is committed and written
             respond(response)
             return
 

@@ -126,10 +126,20 @@ class Engine(Protocol):
     @property
     def is_master(self) -> bool: ...
 
-    # True only for an engine that commits every entry as it is appended
-    # (one node without storage, always master): the service's fast path
-    # then calls `commit_now` instead of `propose`.
+    # True while the engine commits every entry as it is appended: always
+    # for one node without storage (always master); for a node alone with
+    # storage (fsync off or batch) while it is master and its log has room.
+    # The service reads it on every request, and calls `commit_now` instead
+    # of `propose` while it holds. It holds only while nothing proposed is
+    # uncommitted or unwritten, so the service may answer reads at once then.
     commits_at_once: bool
+
+    # True while entries that `commit_now` committed are not yet persisted:
+    # the client protocols hold their answers back (every answer, so that
+    # none overtakes one held) until the engine calls `release_answers`
+    # (set by the node). Always False for an engine without such a wait.
+    holding: bool
+    release_answers: Callable[[], None] | None
 
     # Set by the node before `start`: how a request that a slave forwarded
     # to this node is answered (the service), and what happens when the

@@ -411,6 +411,30 @@ class NativeCore:
         if not self.peers:
             self._maybe_commit()
 
+    def commit_alone(self, entry: Entry) -> tuple[Record, object]:
+        """Input, for a master alone (no peers) that does not defer its
+        sync, with nothing of the current Ready's log change left to carry
+        out: append, apply and commit `entry` at once. Returns its record,
+        which the caller must persist before it answers (nothing goes into
+        the Ready), and what apply returned. This is the adapter's fast
+        path (ClusterEngine.commit_now): the same log and state as
+        `propose` then `take_ready`, without the callback or the turn's
+        wait."""
+        if (self.role is not Role.MASTER or self.peers or self.deferred_sync
+                or self.ready.records or self.ready.truncate_after is not None
+                or self.ready.snapshot is not None):
+            raise InvariantError("commit_alone needs a master alone, nothing deferred and "
+                                 "no log change pending in the Ready")
+        log = self.log
+        record = log.append_entry(entry, self.vote_id)
+        result = self.store.apply(entry)
+        self.applied_id = self.commit_id = record.trans_id
+        if len(log) > self.log_size + COMPACT_SLACK:
+            upto = record.trans_id
+            if upto - log.base_trans_id >= COMPACT_SLACK:
+                log.compact(self.log_size, upto)
+        return record, result
+
     def read_index(self, done: Done) -> None:
         """Answer a read (an answer that appends no entry) once it rests on
         committed state only (see "Reads" in the module docstring):

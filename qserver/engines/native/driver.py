@@ -30,6 +30,21 @@ them, and pulls them later). Then writes are refused until a timer
 (DISK_RETRY_S) finds room again. Any other write error (EIO), or a record
 written outside the room, stops the node as before.
 
+Alone: commit at once. A node without peers whose fsync policy is off or
+batch answers a write once its record is written; it needs no Ready, no
+callback and no answer closure for that. While it is master, its storage
+works and the log's room takes more than one request's record,
+`commits_at_once` is on and the service calls `commit_now`, which appends,
+applies and commits the entry (`NativeCore.commit_alone`) and returns the
+result: the service builds the answer in the same call, as a node in
+memory does. The records of a turn are written together, first thing in
+the turn's flush (one pwrite; the batch timer fsyncs them later, as on the
+general path); meanwhile `holding` is on and the client protocols keep the
+answers, which `release_answers` (the node's) writes right after. A write
+that takes the general path (propose: a batch, a dead-letter move, or any
+write while the room is low or the disk full) turns the fast path off until
+its Ready is carried out, so the log file keeps trans_id order.
+
 Forwarding (`engines.forwarding`): a slave relays a client request to the
 master over the internal link; if the master is unknown or unreachable the
 client hears "no leader" at once.
@@ -42,10 +57,11 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
-from ...state.entries import Entry
+from ...state.entries import Entry, Record
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
 from ...storage import DiskStorage, StorageError, record_size_bound
@@ -165,13 +181,29 @@ class ClusterEngine:
         self._reserved = 0
         self._disk_full = False
         self._disk_timer: asyncio.TimerHandle | None = None
+        # The fast path (commit_now): a node alone whose fsync policy lets it
+        # answer once a record is written (off, batch), while the log's room
+        # holds more than any one request's record can take.
+        self._alone_fast = (not peers and storage is not None
+                            and config.fsync is not Fsync.ALWAYS)
+        self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
+        self._unwritten: list[Record] = []  # committed by commit_now this turn, to write
+        # Set by the node: called once the records that `holding` waited for
+        # are written (the client protocols then write the answers held).
+        self.release_answers: Callable[[], None] | None = None
         self.snapshots = SnapshotFiles(
             core=self.core, storage=storage, node_id=config.node_id, log_size=config.log_size,
             send=self._send_to, step=self._step_now, schedule_flush=self._schedule_flush)
 
     # -- Engine interface ----------------------------------------------------
 
+    # True while the fast path of a node alone holds (see "Alone: commit at
+    # once" in the module docstring and `_update_fast_path`); the service
+    # then calls `commit_now` instead of `propose`.
     commits_at_once = False
+    # True while records of commit_now are committed but not yet written:
+    # the client protocols hold their answers back until `release_answers`.
+    holding = False
 
     @property
     def is_master(self) -> bool:
@@ -210,6 +242,9 @@ class ClusterEngine:
                 "fsyncs": storage.syncs, "disk_full": self._disk_full}
 
     def propose(self, entry: Entry, done: Done) -> None:
+        # Until this turn's Ready is carried out, nothing commits at once:
+        # the records of the fast path must follow this one in the log file.
+        self.commits_at_once = False
         storage = self.storage
         if storage is not None and not self._reserve(storage, record_size_bound(entry)):
             done(None, DISK_FULL)  # before the core: nothing was appended or applied
@@ -222,7 +257,30 @@ class ClusterEngine:
         self._schedule_flush()
 
     def commit_now(self, entry: Entry) -> object:
-        raise InvariantError("commit_now on an engine that does not commit at once")
+        """The fast path of a node alone (only while `commits_at_once`):
+        append, apply and commit `entry`, and return what apply returned.
+        Its record is written to the log at the end of this event-loop turn
+        with every other one of the turn (one write); until then `holding`
+        is True and the client protocols hold the answers back (the node's
+        `release_answers`, called once the records are written)."""
+        storage = self.storage
+        if not self.commits_at_once or storage is None:
+            raise InvariantError("commit_now while the engine does not commit at once")
+        need = record_size_bound(entry)
+        reserved = self._reserved + need
+        if storage.room < reserved + DISK_MARGIN_BYTES:
+            # _update_fast_path keeps more room than one request can need
+            raise InvariantError("commit_now without room for its record")
+        record, result = self.core.commit_alone(entry)
+        self._unwritten.append(record)
+        self._reserved = reserved
+        if not self.holding:
+            self.holding = True
+            if not self._flush_scheduled:
+                self._schedule_flush()
+        if storage.room < reserved + self._fast_room:
+            self._update_fast_path()
+        return result
 
     def forward(self, request: dict, respond: Respond,
                 timeout_s: float | None = None) -> Cancel | None:
@@ -268,6 +326,7 @@ class ClusterEngine:
         if self.net is not None:
             await self.net.close()
         self._closing = True
+        self.commits_at_once = False
         if self.durability is not None:
             # waits for a sync in flight, then closes the storage (or
             # leaves it as a crash would, after a failure)
@@ -350,6 +409,9 @@ class ClusterEngine:
         durability = self.durability  # not None iff there is storage
         if durability is not None:
             try:
+                if self._unwritten:  # commit_now's, before any of the Ready's
+                    durability.storage.append(self._unwritten)
+                    self._unwritten.clear()
                 self._persist(durability, ready)
             except StorageError as exc:
                 self._fail(exc)
@@ -357,12 +419,18 @@ class ClusterEngine:
             self._reserved = 0  # what was reserved is written
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
+        if self.holding:
+            self.holding = False
+            if self.release_answers is not None:
+                self.release_answers()
         self.snapshots.discard_unwanted()
         net = self.net
         if net is not None and ready.messages:
             self._send_all(net, ready.messages)
         for answer in ready.answers:
             answer()
+        if self._alone_fast:
+            self._update_fast_path()
         if self.core.is_master is not self._was_master:
             self._role_changed()
         for peer_id, trans_id, vote_id in ready.snapshot_sends:
@@ -435,6 +503,24 @@ class ClusterEngine:
         self._reserved = total
         return True
 
+    def _update_fast_path(self) -> None:
+        """Decide `commits_at_once` (a node alone, off or batch; see
+        commit_now): on while this node is master, its storage works, and
+        the log's room takes more than one request's record (made here as
+        the general path would, `_reserve`); off otherwise, and until the
+        next flush once a write takes the general path (propose)."""
+        storage = self.storage
+        on = (self._alone_fast and storage is not None and self.core.is_master
+              and not self._disk_full and not self._failed and not self._closing
+              and not self.core.ready.records)
+        if on and storage is not None and storage.room < self._reserved + self._fast_room:
+            try:
+                on = storage.make_room(self._reserved + self._fast_room)
+            except StorageError as exc:
+                self._fail(exc)
+                on = False
+        self.commits_at_once = on
+
     def _retry_disk(self, storage: DiskStorage) -> None:
         self._disk_timer = None
         if self._failed or self._closing:
@@ -457,6 +543,7 @@ class ClusterEngine:
         if self._failed:
             return
         self._failed = True
+        self.commits_at_once = False
         if self.durability is not None:
             self.durability.halt()
         if self.on_fatal is not None:
@@ -469,6 +556,7 @@ class ClusterEngine:
         the core's (no persist, send or answer), and leave the storage as a
         crash would at close()."""
         self._failed = True
+        self.commits_at_once = False
         if self.durability is not None:
             self.durability.halt()
 
