@@ -86,6 +86,48 @@ def test_no_link_to_the_master_is_refused_without_an_answer():
     run(main())
 
 
+def test_timeouts_of_many_requests_fail_exactly_the_unanswered(monkeypatch):
+    """One timer for every forward: requests answered in time stay
+    answered once, those left unanswered fail at their deadline, whatever
+    the mix of default and custom timeouts and the order of answers."""
+    from qserver.engines import forwarding
+
+    monkeypatch.setattr(forwarding, "FORWARD_TIMEOUT_S", 0.2)
+
+    async def main():
+        fwd, net = make()
+        answers: dict[int, list[dict]] = {i: [] for i in range(40)}
+        all_answered = asyncio.Event()
+
+        def answer_of(i: int):
+            def respond(response: dict) -> None:
+                answers[i].append(response)
+                if all(answers.values()):
+                    all_answered.set()
+            return respond
+
+        for i in range(40):
+            timeout = None if i % 3 else 0.1 + (i % 4) * 0.05  # custom ones, out of order
+            assert fwd.forward(1, {"action": 1, "seq": i}, answer_of(i), timeout_s=timeout)
+        for i in range(0, 40, 2):  # every even one answered, last ones first
+            reply_to(fwd, net.sent[38 - i][1], {"code": 0, "seq": 38 - i})
+        await asyncio.wait_for(all_answered.wait(), 30)
+        assert fwd.waiting == 0
+        for i in range(40):
+            if i % 2 == 0:
+                assert answers[i] == [{"code": 0, "seq": i}]
+            else:
+                assert answers[i] == [{"action": 1, "seq": i, "code": -1,
+                                       "reason": "forward timeout; outcome unknown"}]
+        # later forwards are timed out too (the timer is armed again)
+        late = asyncio.get_running_loop().create_future()
+        assert fwd.forward(1, {"action": 1}, late.set_result)
+        assert (await asyncio.wait_for(late, 30))["code"] == -1
+        fwd.close()
+
+    run(main())
+
+
 def test_the_timeout_is_per_request():
     async def main():
         fwd, net = make()

@@ -24,7 +24,9 @@ every request of that slave.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
+from collections import deque
 from collections.abc import Callable
 
 from ..wire.codec import error_response
@@ -59,11 +61,21 @@ class Forwarder:
         self.node_id = node_id
         self.net = net
         self._vote_id = vote_id  # the engine's current epoch, stamped on each message
-        # request_id -> (respond, timeout timer, master's node id, the
-        # request); an entry exists exactly while its client has not been
-        # answered. A failure echoes the request, as every answer does.
-        self._pending: dict[int, tuple[Respond, asyncio.TimerHandle, int, dict]] = {}
+        # request_id -> (respond, master's node id, the request); an entry
+        # exists exactly while its client has not been answered. A failure
+        # echoes the request, as every answer does.
+        self._pending: dict[int, tuple[Respond, int, dict]] = {}
         self._next_id = 1
+        # Timeouts without a timer per request (arming and cancelling one
+        # per forward cost more than the relay's own work): (monotonic
+        # deadline, request_id) in the order sent, for the default timeout
+        # (so deadlines never decrease along it), and a heap for the others;
+        # one timer, at the earliest deadline. Entries of answered requests
+        # stay until their deadline or until they reach the head.
+        self._deadlines: deque[tuple[float, int]] = deque()
+        self._other_deadlines: list[tuple[float, int]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         # (slave, its request_id) -> the session of a request served here
         # that may wait (a consume with `wait`), until it is answered
         self._served: dict[tuple[int, int], Session] = {}
@@ -82,24 +94,55 @@ class Forwarder:
                       request=request)
         if not self.net.send(leader_id, message_to_wire(msg)):
             return None
-        timer = asyncio.get_running_loop().call_later(
-            FORWARD_TIMEOUT_S if timeout_s is None else timeout_s,
-            self._fail, request_id, TIMED_OUT)
-        self._pending[request_id] = (respond, timer, leader_id, request)
+        pending = self._pending
+        pending[request_id] = (respond, leader_id, request)
+        if timeout_s is None or timeout_s == FORWARD_TIMEOUT_S:
+            deadlines = self._deadlines
+            while deadlines and deadlines[0][1] not in pending:  # answered: drop
+                deadlines.popleft()
+            deadline = time.monotonic() + FORWARD_TIMEOUT_S
+            deadlines.append((deadline, request_id))
+        else:
+            deadline = time.monotonic() + timeout_s
+            heapq.heappush(self._other_deadlines, (deadline, request_id))
+        if self._timer is None or deadline < self._timer_at:
+            self._arm(deadline)
 
         def cancel() -> None:
-            pending = self._pending.pop(request_id, None)
-            if pending is not None:
-                pending[1].cancel()
+            if self._pending.pop(request_id, None) is not None:
                 self.net.send(leader_id, message_to_wire(ForwardCancel(
                     vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id)))
         return cancel
+
+    def _arm(self, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        """The timer: fail every request past its deadline still waiting;
+        arm again at the next deadline of one that may be."""
+        self._timer = None
+        now = time.monotonic()
+        pending = self._pending
+        deadlines = self._deadlines
+        others = self._other_deadlines
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][1] not in pending):
+            _, request_id = deadlines.popleft()
+            self._fail(request_id, TIMED_OUT)
+        while others and (others[0][0] <= now or others[0][1] not in pending):
+            _, request_id = heapq.heappop(others)
+            self._fail(request_id, TIMED_OUT)
+        heads = [q[0][0] for q in (deadlines, others) if q]
+        if heads:
+            self._arm(min(heads))
 
     def on_reply(self, msg: ForwardReply) -> None:
         """The master answered a request we forwarded."""
         pending = self._pending.pop(msg.request_id, None)
         if pending is not None:
-            pending[1].cancel()
             pending[0](msg.response)
 
     def serve(self, peer_id: int, msg: Forward, handler: ForwardedHandler | None) -> None:
@@ -132,7 +175,7 @@ class Forwarder:
     def link_down(self, peer_id: int) -> None:
         """The link to `peer_id` broke: the requests forwarded to it will not
         be answered."""
-        for request_id, (_, _, target, _) in list(self._pending.items()):
+        for request_id, (_, target, _) in list(self._pending.items()):
             if target == peer_id:
                 self._fail(request_id, MASTER_UNREACHABLE)
         for key in [key for key in self._served if key[0] == peer_id]:
@@ -140,6 +183,9 @@ class Forwarder:
 
     def close(self) -> None:
         """The node is stopping: answer every request still waiting."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for request_id in list(self._pending):
             self._fail(request_id, SHUTTING_DOWN)
         served = list(self._served.values())
@@ -155,5 +201,4 @@ class Forwarder:
     def _fail(self, request_id: int, reason: str) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            pending[1].cancel()
-            pending[0](error_response(reason, pending[3]))
+            pending[0](error_response(reason, pending[2]))
