@@ -253,3 +253,24 @@ def test_vote_round_trip_and_damage():
             fmt.decode_vote(bytes(bad))
     with pytest.raises(ValueError):
         fmt.decode_vote(blob[:-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(trans_id=st.integers(1, 2**63 - 1), vote_id=st.integers(0, 2**63 - 1),
+       targets=st.lists(st.tuples(st.text(min_size=1, max_size=20), st.integers(1, 2**63 - 1)),
+                        min_size=1, max_size=4, unique_by=lambda t: t[0]),
+       data=st.text(max_size=300), times=st.tuples(st.integers(0, 2**62), st.integers(0, 2**62),
+                                                   st.integers(0, 2**40)))
+def test_a_produce_record_is_encoded_as_record_to_wire_says(trans_id, vote_id, targets, data,
+                                                            times):
+    """encode_record builds a produce's list itself (its hot path): the
+    bytes must be exactly record_to_wire's, and read back the same."""
+    from qserver.state.entries import record_to_wire
+
+    record = Record(trans_id, vote_id, Produce(targets=tuple(targets), data=data,
+                                               ready_ms=times[0], ttl_ms=times[1],
+                                               retry_ms=times[2]))
+    payload = msgpack.packb(record_to_wire(record))
+    frame = struct.pack(">II", len(payload), zlib.crc32(payload)) + payload
+    assert fmt.encode_record(record) == frame
+    assert fmt.scan(frame).records == [record]
