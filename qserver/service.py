@@ -198,7 +198,7 @@ class Service:
         master either, it is answered "no leader" rather than relayed again.
         `session`: the client's (see `Session`); None for UDP.
         """
-        if not forwarded:
+        if not forwarded or self.engine.commits_at_once:  # (then this node is master)
             response = self.answer_now(obj, now_ms)
             if response is not None:
                 respond(response)

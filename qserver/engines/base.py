@@ -126,9 +126,10 @@ class Engine(Protocol):
     @property
     def is_master(self) -> bool: ...
 
-    # True while the engine commits every entry as it is appended: always
-    # for one node without storage (always master); for a node alone with
-    # storage (fsync off or batch) while it is master and its log has room.
+    # True while the engine answers every entry as it is appended: always
+    # for one node without storage (always master); for the native engine's
+    # master alone with storage or in async mode (fsync off or batch) while
+    # its log has room.
     # The service reads it on every request, and calls `commit_now` instead
     # of `propose` while it holds. It holds only while nothing proposed is
     # uncommitted or unwritten, so the service may answer reads at once then.

@@ -411,22 +411,29 @@ class NativeCore:
         if not self.peers:
             self._maybe_commit()
 
-    def commit_alone(self, entry: Entry) -> tuple[Record, object]:
-        """Input, for a master alone (no peers) that does not defer its
-        sync, with nothing of the current Ready's log change left to carry
-        out: append, apply and commit `entry` at once. Returns its record,
-        which the caller must persist before it answers (nothing goes into
-        the Ready), and what apply returned. This is the adapter's fast
-        path (ClusterEngine.commit_now): the same log and state as
+    def append_now(self, entry: Entry) -> tuple[Record, object]:
+        """Input, for a master whose writes are answered without waiting for
+        another node: alone (no peers), or in async mode; not deferring its
+        sync; with nothing of the current Ready's log change left to carry
+        out. Appends and applies `entry` at once and returns its record,
+        which the caller must persist before it answers (it does not go into
+        the Ready), and what apply returned. Alone, the entry commits at
+        once. In async mode it is pushed to the slaves with the next Ready
+        and commits once a majority holds it, as a proposal does (applied
+        with its undo: a new master may roll it back). This is the adapter's
+        fast path (ClusterEngine.commit_now): the same log and state as
         `propose` then `take_ready`, without the callback or the turn's
         wait."""
-        if (self.role is not Role.MASTER or self.peers or self.deferred_sync
+        if (self.role is not Role.MASTER or self.deferred_sync
+                or (self.peers and not self.async_mode)
                 or self.ready.records or self.ready.truncate_after is not None
                 or self.ready.snapshot is not None):
-            raise InvariantError("commit_alone needs a master alone, nothing deferred and "
-                                 "no log change pending in the Ready")
+            raise InvariantError("append_now needs a master alone or in async mode, nothing "
+                                 "deferred and no log change pending in the Ready")
         log = self.log
         record = log.append_entry(entry, self.vote_id)
+        if self.peers:
+            return record, self._apply_speculative(record)
         result = self.store.apply(entry)
         self.applied_id = self.commit_id = record.trans_id
         if len(log) > self.log_size + COMPACT_SLACK:

@@ -30,20 +30,24 @@ them, and pulls them later). Then writes are refused until a timer
 (DISK_RETRY_S) finds room again. Any other write error (EIO), or a record
 written outside the room, stops the node as before.
 
-Alone: commit at once. A node without peers whose fsync policy is off or
-batch answers a write once its record is written; it needs no Ready, no
+Answering at once: a master alone (no peers) or in async mode, whose fsync
+policy is off or batch (or without storage), answers a write once its
+record is written, without waiting for another node; it needs no Ready, no
 callback and no answer closure for that. While it is master, its storage
 works and the log's room takes more than one request's record,
-`commits_at_once` is on and the service calls `commit_now`, which appends,
-applies and commits the entry (`NativeCore.commit_alone`) and returns the
-result: the service builds the answer in the same call, as a node in
-memory does. The records of a turn are written together, first thing in
-the turn's flush (one pwrite; the batch timer fsyncs them later, as on the
-general path); meanwhile `holding` is on and the client protocols keep the
-answers, which `release_answers` (the node's) writes right after. A write
-that takes the general path (propose: a batch, a dead-letter move, or any
-write while the room is low or the disk full) turns the fast path off until
-its Ready is carried out, so the log file keeps trans_id order.
+`commits_at_once` is on and the service calls `commit_now`, which appends
+and applies the entry (`NativeCore.append_now`; alone it also commits) and
+returns the result: the service builds the answer in the same call, as a
+node in memory does. With storage, the records of a turn are written
+together, first thing in the turn's flush (one pwrite; the batch timer
+fsyncs them later, as on the general path); meanwhile `holding` is on and
+the client protocols keep the answers, which `release_answers` (the
+node's) writes right after. Without storage nothing waits. Pushes to the
+slaves go out with the turn's Ready, as for proposals. A write that takes
+the general path (propose: a batch, a dead-letter move, or any write while
+the room is low or the disk full) turns the fast path off until its Ready
+is carried out, so the log file keeps trans_id order; so does losing the
+master role, at once (`_step_now`).
 
 Forwarding (`engines.forwarding`): a slave relays a client request to the
 master over the internal link; if the master is unknown or unreachable the
@@ -181,11 +185,12 @@ class ClusterEngine:
         self._reserved = 0
         self._disk_full = False
         self._disk_timer: asyncio.TimerHandle | None = None
-        # The fast path (commit_now): a node alone whose fsync policy lets it
-        # answer once a record is written (off, batch), while the log's room
-        # holds more than any one request's record can take.
-        self._alone_fast = (not peers and storage is not None
-                            and config.fsync is not Fsync.ALWAYS)
+        # The fast path (commit_now): a node alone or in async mode whose
+        # fsync policy lets it answer once a record is written (off, batch;
+        # or no storage), while the log's room holds more than any one
+        # request's record can take.
+        self._fast_ok = ((not peers or config.mode is Mode.ASYNC)
+                         and (storage is None or config.fsync is not Fsync.ALWAYS))
         self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
         self._unwritten: list[Record] = []  # committed by commit_now this turn, to write
         # Set by the node: called once the records that `holding` waited for
@@ -257,21 +262,27 @@ class ClusterEngine:
         self._schedule_flush()
 
     def commit_now(self, entry: Entry) -> object:
-        """The fast path of a node alone (only while `commits_at_once`):
-        append, apply and commit `entry`, and return what apply returned.
-        Its record is written to the log at the end of this event-loop turn
-        with every other one of the turn (one write); until then `holding`
-        is True and the client protocols hold the answers back (the node's
-        `release_answers`, called once the records are written)."""
-        storage = self.storage
-        if not self.commits_at_once or storage is None:
+        """The fast path (only while `commits_at_once`; see "Answering at
+        once" in the module docstring): append and apply `entry` and return
+        what apply returned. With storage its record is written to the log
+        at the end of this event-loop turn with every other one of the turn
+        (one write); until then `holding` is True and the client protocols
+        hold the answers back (the node's `release_answers`, called once the
+        records are written)."""
+        if not self.commits_at_once:
             raise InvariantError("commit_now while the engine does not commit at once")
+        storage = self.storage
+        if storage is None:
+            result = self.core.append_now(entry)[1]
+            if not self._flush_scheduled:  # the push to the slaves
+                self._schedule_flush()
+            return result
         need = record_size_bound(entry)
         reserved = self._reserved + need
         if storage.room < reserved + DISK_MARGIN_BYTES:
             # _update_fast_path keeps more room than one request can need
             raise InvariantError("commit_now without room for its record")
-        record, result = self.core.commit_alone(entry)
+        record, result = self.core.append_now(entry)
         self._unwritten.append(record)
         self._reserved = reserved
         if not self.holding:
@@ -381,6 +392,8 @@ class ClusterEngine:
 
     def _step_now(self, msg: Message) -> None:
         self.core.step(msg, now_ms())
+        if self.commits_at_once and not self.core.is_master:
+            self.commits_at_once = False  # now, not at the flush: requests may come first
         self._schedule_flush()
 
     def _send_to(self, peer_id: int, msg: Message) -> bool:
@@ -429,7 +442,7 @@ class ClusterEngine:
             self._send_all(net, ready.messages)
         for answer in ready.answers:
             answer()
-        if self._alone_fast:
+        if self._fast_ok:
             self._update_fast_path()
         if self.core.is_master is not self._was_master:
             self._role_changed()
@@ -504,13 +517,13 @@ class ClusterEngine:
         return True
 
     def _update_fast_path(self) -> None:
-        """Decide `commits_at_once` (a node alone, off or batch; see
-        commit_now): on while this node is master, its storage works, and
+        """Decide `commits_at_once` (see "Answering at once" in the module
+        docstring): on while this node is master, its storage works, and
         the log's room takes more than one request's record (made here as
         the general path would, `_reserve`); off otherwise, and until the
         next flush once a write takes the general path (propose)."""
         storage = self.storage
-        on = (self._alone_fast and storage is not None and self.core.is_master
+        on = (self._fast_ok and self.core.is_master
               and not self._disk_full and not self._failed and not self._closing
               and not self.core.ready.records)
         if on and storage is not None and storage.room < self._reserved + self._fast_room:
