@@ -196,3 +196,38 @@ def test_every_acknowledged_write_survives_kill_9(tmp_path, fsync):
                 assert after[q].get(key) == before[q].get(key), (q, key, before, after)
     finally:
         node.stop()
+
+
+def test_the_answer_to_a_forwarded_write_waits_for_its_record_too(tmp_path):
+    """A master answers a slave's forwarded write on the fast path too; its
+    answer (sent back over the peer link) waits for the turn's write as a
+    client's does (ClusterEngine._held_forwarded)."""
+    async def main() -> None:
+        node = Node(_config(tmp_path, "batch"))
+        await node.start()
+        try:
+            engine = node.engine
+            for _ in range(200):
+                if engine.commits_at_once:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.commits_at_once
+            sent: list[dict] = []
+
+            def service(request, now, respond, session):
+                node.service.handle(request, now, respond, forwarded=True, session=session)
+
+            handle = engine._held_forwarded(service)
+            before = engine.storage.records_written
+            handle({"action": 1, "queue": "q", "data": "f", "retry": 0}, 1_700_000_000_000,
+                   sent.append, None)
+            assert engine.holding and sent == []  # committed, not yet written
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert engine.storage.records_written == before + 1
+            assert [a["code"] for a in sent] == [0]
+        finally:
+            node.stop()
+            await node.shutdown()
+
+    asyncio.run(main())

@@ -32,7 +32,9 @@ Replication (push, then pull). The master appends each proposed entry to its
 log under its vote_id and applies it to its store at once, keeping an undo
 record until the entry commits, so that the next decision sees it. Everything
 appended in one turn is pushed as one `Push` to each slave that is in step,
-with the position of the entry before it. A slave whose log continues at that
+with the position of the entry before it (in async mode, where no client
+waits for a push, the records of several turns may go together: at most
+one push of new records per `push_interval_ms`). A slave whose log continues at that
 position appends (replacing any conflicting uncommitted suffix) and answers
 `PushReply(match_id)`. Otherwise it ignores the batch and sends `Pull` with
 a position of its log; the master answers with the records after the last
@@ -134,6 +136,9 @@ MAX_BATCH_RECORDS = 2_000
 # to a request's size (1 MiB by default), so 2,000 of them would pass the
 # peers' frame limit (64 MiB), which a push must stay far below.
 MAX_BATCH_BYTES = 8 * 1024 * 1024
+# Async mode with coalesced pushes (push_interval_ms): this many new records
+# are pushed at once, whatever the interval.
+PUSH_AT_ONCE_RECORDS = 500
 
 
 def _within_bytes(records: Sequence[Record]) -> int:
@@ -224,7 +229,7 @@ class NativeCore:
                  me: LeaderInfo, rng: Rng, now_ms: int, timing: Timing = Timing(),
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
                  vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False,
-                 deferred_sync: bool = False) -> None:
+                 deferred_sync: bool = False, push_interval_ms: int = 0) -> None:
         self.node_id = node_id
         self.me = me
         self.peers: dict[int, _Peer] = {p: _Peer(p) for p in peer_ids if p != node_id}
@@ -255,6 +260,11 @@ class NativeCore:
         self.leader_last = 0  # the master's last trans_id, from its pushes
         self.became_master_ms = 0
         self.pushed_upto = log.last_trans_id  # master: last trans_id pushed to in-step slaves
+        # Async mode may coalesce pushes (nobody waits for them): new records
+        # go out at most every push_interval_ms, at once after a quiet spell
+        # or once PUSH_AT_ONCE_RECORDS wait; 0 pushes every turn's records.
+        self.push_interval_ms = push_interval_ms if async_mode else 0
+        self.push_due_ms = 0  # master: when new records may be pushed next
         self.last_pull: tuple[int, int] | None = None  # (trans_id, vote_id) of our last pull
         self.pull_due_ms = 0
         self.heartbeat_due_ms = now_ms
@@ -336,6 +346,8 @@ class NativeCore:
         """The time at which `tick` has something to do."""
         if self.role is Role.MASTER:
             due = self.heartbeat_due_ms
+            if self.push_interval_ms and self.log.last_trans_id > self.pushed_upto:
+                due = min(due, self.push_due_ms)
             if any(p.pending_pull for p in self.peers.values()):
                 due = min(due, self.refill_ms + 10)
             return due
@@ -346,10 +358,14 @@ class NativeCore:
 
     def take_ready(self, now_ms: int) -> Ready:
         """Hand over what must be done, and start collecting afresh.
-        `now_ms` decides `own_sync` only (whether the slaves keep up)."""
+        `now_ms` decides `own_sync` (whether the slaves keep up) and, with
+        coalesced pushes, whether new records are pushed now."""
         if self.role is Role.MASTER:
-            if self.log.last_trans_id > self.pushed_upto:
+            unpushed = self.log.last_trans_id - self.pushed_upto
+            if unpushed > 0 and (not self.push_interval_ms or now_ms >= self.push_due_ms
+                                 or unpushed >= PUSH_AT_ONCE_RECORDS):
                 self._push_new()
+                self.push_due_ms = now_ms + self.push_interval_ms
             if self.reads and self.peers:
                 # Waiting reads need a push of the current round to everyone
                 # who has not had one (a heartbeat where no records went).
