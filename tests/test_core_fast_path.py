@@ -1,0 +1,125 @@
+"""The native core's inputs for the adapter's fast path (NativeCore.append_now)
+and async mode's coalesced pushes (push_interval_ms), without I/O: what is
+appended, applied, committed and pushed, and when append_now refuses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qserver.engines.base import LeaderInfo
+from qserver.engines.messages import Push, PushReply
+from qserver.engines.native.core import PUSH_AT_ONCE_RECORDS, NativeCore
+from qserver.errors import InvariantError
+from qserver.state.entries import Produce
+from qserver.state.log import Log
+from qserver.state.store import Store
+from qserver.wire.requests import ProduceRequest
+
+NOW = 1_700_000_000_000
+
+
+def core(node_id: int, peers: list[int], *, async_mode: bool = False,
+         push_interval_ms: int = 0, deferred: bool = False) -> NativeCore:
+    return NativeCore(node_id=node_id, peer_ids=peers, store=Store(queue_size=10_000),
+                      log=Log(), me=LeaderInfo(node_id=node_id, host="127.0.0.1",
+                                               port=1000 + node_id),
+                      rng=random.Random(node_id), now_ms=NOW, async_mode=async_mode,
+                      push_interval_ms=push_interval_ms, deferred_sync=deferred)
+
+
+def master_of_three(**kwargs) -> NativeCore:
+    m = core(1, [1, 2, 3], **kwargs)
+    m.vote_id = 1
+    m._become_master(NOW)  # as if elected (elections are tested in test_sim_*)
+    m.take_ready(NOW)  # the Noop, written and pushed
+    return m
+
+
+def entry(c: NativeCore, data: str) -> Produce:
+    produced = c.store.decide_produce(ProduceRequest(queue="q", data=data, delay_s=None,
+                                                     ttl_s=None, retry_s=0), NOW)
+    assert isinstance(produced, Produce)
+    return produced
+
+
+def pushes(ready) -> list[tuple[int, Push]]:
+    return [(to, msg) for to, msg in ready.messages if isinstance(msg, Push) and msg.records]
+
+
+def test_alone_append_now_commits_at_once():
+    c = core(1, [1])
+    c.tick(NOW)
+    assert c.is_master
+    c.take_ready(NOW)  # the election's Noop
+    record, result = c.append_now(entry(c, "a"))
+    assert record.trans_id == 2 and c.commit_id == c.applied_id == 2
+    assert result == (("q", 1),)
+    assert not c.undo and not c.take_ready(NOW).records  # the caller writes it
+    assert c.store.queues["q"].messages
+
+
+def test_async_append_now_applies_with_undo_and_pushes_with_the_next_ready():
+    m = master_of_three(async_mode=True)
+    record, _ = m.append_now(entry(m, "a"))
+    assert m.applied_id == record.trans_id and m.commit_id < record.trans_id
+    assert m.undo and m.undo[-1][0] == record.trans_id  # a new master may roll it back
+    ready = m.take_ready(NOW)
+    assert not ready.records  # the adapter writes it, not the Ready
+    assert sorted(to for to, _ in pushes(ready)) == [2, 3]
+    assert all(p.records[-1].trans_id == record.trans_id for _, p in pushes(ready))
+    m.step(PushReply(vote_id=1, node_id=2, match_id=record.trans_id), NOW)
+    assert m.commit_id == record.trans_id and not m.undo
+
+
+@pytest.mark.parametrize("kwargs", [{"async_mode": False}, {"async_mode": True, "deferred": True}])
+def test_append_now_refuses_where_a_write_must_wait(kwargs):
+    m = master_of_three(**kwargs)
+    with pytest.raises(InvariantError):
+        m.append_now(entry(m, "a"))
+
+
+def test_append_now_refuses_on_a_slave_and_behind_a_pending_proposal():
+    s = core(2, [1, 2, 3], async_mode=True)
+    with pytest.raises(InvariantError):
+        s.append_now(entry(s, "a"))
+    m = master_of_three(async_mode=True)
+    m.propose(entry(m, "p"), lambda result, error: None)  # its record is in the Ready
+    with pytest.raises(InvariantError):
+        m.append_now(entry(m, "a"))
+
+
+def test_async_pushes_are_coalesced_within_the_interval():
+    m = master_of_three(async_mode=True, push_interval_ms=5)
+    t = NOW + 1000  # a quiet spell: the first records go at once
+    m.tick(t)  # heartbeats sent: the next is due in heartbeat_ms
+    m.append_now(entry(m, "a"))
+    first = pushes(m.take_ready(t))
+    assert len(first) == 2 and len(first[0][1].records) == 1
+    for i in range(3):  # within the interval: held
+        m.append_now(entry(m, f"b{i}"))
+        assert pushes(m.take_ready(t + 1 + i)) == []
+    assert m.next_deadline() == t + 5  # the timer's next call
+    later = pushes(m.take_ready(t + 5))
+    assert len(later) == 2 and [len(p.records) for _, p in later] == [3, 3]
+    assert later[0][1].records[0].trans_id == first[0][1].records[-1].trans_id + 1
+
+
+def test_many_records_are_pushed_at_once_whatever_the_interval():
+    m = master_of_three(async_mode=True, push_interval_ms=5)
+    t = NOW + 1000
+    m.append_now(entry(m, "a"))
+    m.take_ready(t)
+    for i in range(PUSH_AT_ONCE_RECORDS):
+        m.append_now(entry(m, f"c{i}"))
+    assert len(pushes(m.take_ready(t + 1))) == 2
+
+
+def test_quorum_mode_never_coalesces():
+    m = master_of_three(async_mode=False, push_interval_ms=5)
+    answers: list = []
+    t = NOW + 1000
+    for i in range(3):
+        m.propose(entry(m, f"q{i}"), lambda result, error: answers.append(error))
+        assert len(pushes(m.take_ready(t))) == 2  # every turn's records, at once
