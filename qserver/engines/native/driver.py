@@ -95,7 +95,7 @@ from ..messages import (
     message_to_wire,
 )
 from ..peers import PeerNetwork
-from .core import NativeCore, Ready, Timing
+from .core import NativeCore, OwnSync, Ready, Timing
 from .durability import Durability
 from .snapshots import SnapshotFiles
 
@@ -444,8 +444,11 @@ class ClusterEngine:
         self._flush_scheduled = False
         if self._failed:
             return
-        ready = self.core.take_ready(now_ms())
         durability = self.durability  # not None iff there is storage
+        if self.net is None and durability is not None and self._unwritten and not self.core.ready:
+            self._write_alone(durability)
+            return
+        ready = self.core.take_ready(now_ms())
         if durability is not None:
             try:
                 if self._unwritten:  # commit_now's, before any of the Ready's
@@ -459,12 +462,7 @@ class ClusterEngine:
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
         if self.holding:
-            self.holding = False
-            if self.release_answers is not None:
-                self.release_answers()
-            replies, self._held_replies = self._held_replies, []
-            for respond, response in replies:
-                respond(response)
+            self._release_held()
         self.snapshots.discard_unwanted()
         net = self.net
         if net is not None and ready.messages:
@@ -484,6 +482,32 @@ class ClusterEngine:
             log.info("node %d: %s in vote %d (leader %s)", self.config.node_id, role.value,
                      self.core.vote_id, self.core.leader_id or "unknown")
         self._arm_timer()
+
+    def _write_alone(self, durability: Durability) -> None:
+        """The flush of a node alone whose turn brought only the records of
+        commit_now (the core's Ready is empty): write them, let the answers
+        held go; nothing else of the core changed (its timer stands)."""
+        try:
+            durability.storage.append(self._unwritten)
+            self._unwritten.clear()
+            durability.after_write(OwnSync.BEFORE_SEND)
+        except StorageError as exc:
+            self._fail(exc)
+            return
+        self._reserved = 0
+        self._release_held()
+        self.snapshots.maybe_write()
+
+    def _release_held(self) -> None:
+        """The records that `holding` waited for are written: the answers
+        held (the client protocols', then forwarded requests') may go."""
+        self.holding = False
+        if self.release_answers is not None:
+            self.release_answers()
+        if self._held_replies:
+            replies, self._held_replies = self._held_replies, []
+            for respond, response in replies:
+                respond(response)
 
     def _send_all(self, net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
         encoded: dict[int, object] = {}
