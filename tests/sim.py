@@ -47,6 +47,20 @@ Two configurations (Network arguments):
 - The simulated network's own (both False): a snapshot is a `Snapshot`
   message built in memory, and every flush is durable.
 
+Async mode's fast path (both configurations): while `commits_at_once`
+holds on a master (ClusterEngine's conditions: master, no deferred sync,
+no log change pending in its Ready), a client write that service.py hands
+to commit_now is appended and applied at once (`append_now`,
+NativeCore.append_now); its record is written first thing in the node's
+next flush, before the Ready's records (the disk checks that trans_ids
+follow each other), and the answer goes right after that write, before
+the Ready's messages; the push follows with a Ready, whenever the core
+decides. Like the other writes of a turn, with `batch_rate` the write
+waits for the end of the instant; a crash before it loses the record and
+the answer. Its flushes are durable: the driver's fast path needs fsync
+off or batch, whose loss of unsynced records on a power loss async mode
+allows anyway; what a slave acknowledges is fsynced either way.
+
 A crash loses the node's memory and its adapter's state (syncs, timers,
 writers, streams in progress), never its fsynced disk: records written but
 not yet fsynced (only a deferring master has any) survive up to a random
@@ -264,6 +278,11 @@ class SimNode:
     # Files received since the last flush: (the loader stepped into the core
     # as the Snapshot's state, the file's content, its trans_id).
     received: list[tuple[object, list, int]] = field(default_factory=list)
+    # The fast path (Network.append_now, ClusterEngine.commit_now): records
+    # appended and applied at once, written first thing in the next flush,
+    # and the answers that wait for that write (ClusterEngine.holding).
+    unwritten: list[Record] = field(default_factory=list)
+    held: list = field(default_factory=list)
 
     def received_file(self, loader) -> tuple[object, list, int] | None:
         return next((r for r in self.received if r[0] is loader), None)
@@ -292,6 +311,8 @@ class SimNode:
         self.writer = self.incoming = None
         self.received = []
         self.outgoing = {}
+        self.unwritten = []
+        self.held = []
 
 
 class Network:
@@ -539,7 +560,8 @@ class Network:
         node = self.nodes[i]
         core = node.core
         ready = core.take_ready(self.now)
-        self._persist(node, ready)
+        written, node.unwritten = node.unwritten, []
+        self._persist(node, ready, written)
         stats = self.stats
         if ready.snapshot is not None:
             stats["snapshots"] += 1
@@ -548,6 +570,10 @@ class Network:
         if self.checker is not None:
             self.checker.on_persist(node, ready)
         node.received = []  # files the core did not take (SnapshotFiles.discard_unwanted)
+        if node.held:  # ClusterEngine._release_held: the records they waited for are written
+            held, node.held = node.held, []
+            for answer in held:
+                answer()
         for dst, msg in ready.messages:
             if self.sent is not None:
                 self.sent.append((self.now, i, dst, msg))
@@ -565,12 +591,15 @@ class Network:
             self._stream(node, peer, trans_id, vote_id)
         self._maybe_write(node)
 
-    def _persist(self, node: SimNode, ready) -> None:
-        """ClusterEngine._persist, then Durability.after_write (fsync=always):
-        the vote, a snapshot installed from the master, the log change; then
-        fsync now, or leave it to a sync off the loop (a deferring master),
-        as the Ready's own_sync says."""
+    def _persist(self, node: SimNode, ready, written: list[Record]) -> None:
+        """ClusterEngine._flush's write of the fast path's records
+        (`written`), then ClusterEngine._persist and Durability.after_write
+        (fsync=always): the vote, a snapshot installed from the master, the
+        log change; then fsync now, or leave it to a sync off the loop (a
+        deferring master), as the Ready's own_sync says."""
         core = node.core
+        if written:
+            self._append_disk(node, written, note=True)
         if ready.vote is not None:
             node.disk_vote = ready.vote
         if ready.snapshot is not None:
@@ -593,13 +622,28 @@ class Network:
             node.synced_upto = node.last_written()  # the cut segment is fsynced
         if ready.snapshot is not None or ready.truncate_after is not None:
             node.sync_epoch += 1
-        node.disk_records.extend(ready.records)
+        self._append_disk(node, ready.records)
         if node.synced_upto < node.last_written():
             if ready.own_sync is native.OwnSync.BEFORE_SEND:
                 node.synced_upto = node.last_written()
                 core.synced_to(node.synced_upto)
             else:  # a deferring master: its records go out before its own fsync
                 self._sync_when_due(node, ready.own_sync)
+
+    def _append_disk(self, node: SimNode, records: list[Record], note: bool = False) -> None:
+        """DiskStorage.append: the log file holds trans_ids in order, without
+        a gap (why the adapter's fast path waits behind a pending proposal:
+        its records are written before the Ready's). `note`: tell the
+        Checker (invariant 3) now, before a truncation of the same Ready
+        may cut them."""
+        for record in records:
+            if record.trans_id != node.last_written() + 1:
+                raise SimFailure(f"seed {self.seed}: node {node.node_id} writes {record} after "
+                                 f"trans_id {node.last_written()} on its disk")
+            if note and self.checker is not None:
+                self.checker.note_record(node.node_id, record,
+                                         node.disk_vote_at(record.trans_id - 1))
+            node.disk_records.append(record)
 
     def _sync_when_due(self, node: SimNode, own_sync: native.OwnSync) -> None:
         """Durability.after_write: at once if our own copy must count now,
@@ -931,6 +975,40 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
+    def commits_at_once(self, i: int) -> bool:
+        """ClusterEngine.commits_at_once on node i in async mode: it is
+        master, does not defer its sync, and its Ready holds no log change
+        (a proposal's record, a truncation, a snapshot), so that the fast
+        path's records follow every earlier one in the log file. (The
+        driver also turns the fast path off while its disk is short of
+        room; the sim's disk never is.)"""
+        core = self.nodes[i].core
+        if (core is None or not self.async_mode or core.role is not Role.MASTER
+                or core.deferred_sync):
+            return False
+        ready = core.ready
+        return not ready.records and ready.truncate_after is None and ready.snapshot is None
+
+    def append_now(self, i: int, entry, done, *, flush: bool = True) -> Record:
+        """ClusterEngine.commit_now on node i (while `commits_at_once`):
+        NativeCore.append_now appends and applies `entry` at once; its
+        record is written first thing in the node's next flush, before the
+        Ready's records, and `done(result, None)` runs right after that
+        write, before the Ready's messages go (the client protocols hold
+        the answer until then: ClusterEngine.holding). A crash before the
+        flush loses both. The push to the slaves goes with the Ready, when
+        the core decides. `flush`: flush now (else the caller does, or
+        leaves the node dirty until the end of the instant)."""
+        node = self.nodes[i]
+        record, result = node.core.append_now(entry)
+        node.unwritten.append(record)
+        node.held.append(partial(done, result, None))
+        self.stats["appended_now"] += 1
+        if flush:
+            self._flush(i)
+            self.observe((i,))
+        return record
+
     def converged(self) -> bool:
         """One master that every live node follows, every log identical to
         its log and fully committed and applied everywhere."""
@@ -1097,10 +1175,11 @@ class Checker:
     @staticmethod
     def _unlogged_record(node: SimNode, t: int) -> Record | None:
         """The record at t that the node committed and compacted away in
-        the same step: in its unflushed Ready, or on its disk (unless the
-        unflushed Ready replaces that part of the disk)."""
+        the same step: among its fast path's unwritten records or in its
+        unflushed Ready, or on its disk (unless the unflushed Ready replaces
+        that part of the disk)."""
         ready = node.core.ready
-        for record in ready.records:
+        for record in (*node.unwritten, *ready.records):
             if record.trans_id == t:
                 return record
         if ready.snapshot is not None or (ready.truncate_after is not None
@@ -1388,7 +1467,11 @@ class Workload:
     or `at_master`); a node that believes it is master executes it
     (Store.decide_*, then NativeCore.propose, or NativeCore.read_index for
     an answer that appends no entry, as service.py does), any other node
-    forwards it to the master it knows, if its link to it is up. A client
+    forwards it to the master it knows, if its link to it is up. In async
+    mode a master takes a produce, a plain consume or a confirm (what
+    service.py hands to commit_now) to `Network.append_now` while
+    `Network.commits_at_once` holds, and answers once its record is
+    written, as an async proposal is answered once persisted. A client
     that gets no answer within `timeout_ms`, or an error ("outcome unknown",
     "not master", "no leader"), retries after a backoff that doubles with
     each attempt, on the same node (`same_node_rate`; never after "no
@@ -1947,6 +2030,7 @@ class Workload:
                        need=self.acked_upto, timeout=timeout)
         req.executed.append((target, "read" if outcome is None else "write"))
         done = partial(self._answered, att)
+        fast = False
         if outcome is None:
             att.trans_id = core.log.last_trans_id
             att.vote_id = core.log.vote_id_at(att.trans_id) or 0
@@ -1958,11 +2042,35 @@ class Workload:
                 for k, item in enumerate(outcome.items):
                     self.produced[item[0]].decisions.append(
                         tuple((name, first + k) for name, first in outcome.targets))
-            core.propose(outcome, done)
+            fast = self._answers_now(req) and net.commits_at_once(target)
+            if fast:
+                net.append_now(target, outcome, done, flush=False)
+            else:
+                core.propose(outcome, done)
             att.trans_id, att.vote_id = core.log.last_trans_id, core.vote_id
             self._note_decision(core, outcome, req.kind, req)
-        net._flush(target)
+        if fast and net.batch_rate and net.rng.random() < net.batch_rate:
+            # The records of the fast path are written once per event-loop
+            # turn: more requests (and peer messages) may come first.
+            net.dirty.add(target)
+        else:
+            net._flush(target)
         net.observe((target,))
+
+    @staticmethod
+    def _answers_now(req: _Request) -> bool:
+        """Whether service.py hands this request's entry to commit_now when
+        the engine commits at once: a produce without dedup ids, priority
+        or messages (answer_now, or _produce), a consume of one queue
+        without count or lease (answer_now; long poll is not simulated),
+        a confirm (answer_now). The others are proposed, as are dead-letter
+        moves, which turn the fast path off until the flush."""
+        if req.kind == "produce":
+            return req.batch is None
+        if req.kind == "consume":
+            creq = req.consume
+            return creq is not None and creq.batch is None and not creq.lease_ms and not creq.many
+        return req.kind == "confirm"
 
     # -- the masters' expiry tick (Service.tick) ------------------------------------
 
