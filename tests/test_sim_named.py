@@ -18,7 +18,7 @@ from qserver.engines.native.core import Role, Timing
 from qserver.state import store as sim_store
 from qserver.state.entries import FINAL_MAX_DELIVERIES, DeadLetter, ProduceBatch
 from qserver.state.store import message_view
-from qserver.wire.requests import ConsumeRequest, ProduceRequest
+from qserver.wire.requests import ConfirmRequest, ConsumeRequest, ProduceRequest
 from sim import Network, Workload, message_data, run_schedule
 
 E = 300  # the sim's election_ms (Timing(heartbeat_ms=50, election_ms=300, pull_retry_ms=100))
@@ -160,6 +160,108 @@ def test_deposed_master_with_longer_older_log_loses_and_truncates(n, new_master_
     w = wires(net)
     assert all(v == w[m] for v in w.values()), f"seed {seed}: stores differ"
     assert net.stats["reverts"] >= 6 and net.stats["truncations"] >= 1
+
+
+def write_now(net: Network, node: int, entry, results: list) -> None:
+    """A client write on async master `node` by the fast path, as
+    ClusterEngine.commit_now makes it (sim.Network.append_now): answered
+    within this call, once its record is written. `results` gets (result,
+    error, the node's record on disk at that trans_id when it answered)."""
+    assert net.commits_at_once(node), f"seed {net.seed}: node {node} does not commit at once"
+    disk = net.nodes[node]
+    t = net.core(node).log.last_trans_id + 1
+    before = len(results)
+    record = net.append_now(node, entry, lambda result, error: results.append(
+        (result, error, disk.disk_record(t))))
+    assert record.trans_id == t and len(results) == before + 1, "not answered at once"
+    assert results[-1][1] is None and results[-1][2] == record, "answered before it was written"
+
+
+@pytest.mark.parametrize("new_writes", [0, 2])
+@pytest.mark.parametrize("production", [False, True], ids=["sim-config", "production"])
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("seed", range(3))
+def test_async_master_undoes_the_writes_it_answered_at_once_when_a_new_master_has_others(
+        seed, n, production, new_writes):
+    """Async mode's fast path (NativeCore.append_now, ClusterEngine.commit_now):
+    master A answers a write as soon as its record is on A's disk, before
+    any slave holds it. Cut off from the others, A answers a produce, a
+    consume of a committed message, the confirm of that delivery and
+    another produce, all at once; B, master of a newer vote, commits its
+    Noop and `new_writes` produces. Async mode allows losing A's four
+    answered writes, and they are lost: when A rejoins, its log drops them
+    (truncated, not taken over by a snapshot) and the undo records restore
+    its store. At that moment it is the committed state at A's position;
+    after the catch-up it is B's, and with no new writes exactly what it
+    was before the partition (the consumed and confirmed message back,
+    ready)."""
+    net = Network(n, seed, async_mode=True, external_snapshots=production)
+    a = elect(net)
+    early: list = []
+    for k in range(2):
+        entry = net.core(a).store.decide_produce(
+            ProduceRequest(queue="q", data=f"early{k}", delay_s=None, ttl_s=None, retry_s=1),
+            net.now)
+        write_now(net, a, entry, early)
+    settle(net)
+    before = net.core(a).store.to_wire()
+    vote_a = net.core(a).vote_id
+
+    net.isolate(a)
+    lost: list = []
+    core_a = net.core(a)
+    write_now(net, a, core_a.store.decide_produce(
+        ProduceRequest(queue="q", data="lost0", delay_s=None, ttl_s=None, retry_s=0), net.now),
+        lost)
+    consume_entry = core_a.store.decide_consume(ConsumeRequest(("q",), None, 0, 0, False),
+                                                net.now, core_a.vote_id)
+    write_now(net, a, consume_entry, lost)
+    msg_id, data, deliveries = lost[-1][0]
+    assert (data, deliveries) == ("early0", 1)
+    write_now(net, a, core_a.store.decide_confirm(ConfirmRequest("q", msg_id)), lost)
+    write_now(net, a, core_a.store.decide_produce(
+        ProduceRequest(queue="q", data="lost1", delay_s=None, ttl_s=None, retry_s=0), net.now),
+        lost)
+    lost_data = {"lost0", "lost1"}
+    assert all_data(net, a) == lost_data | {"early1"}  # applied at once, with their undo
+    assert core_a.applied_id == core_a.log.last_trans_id == core_a.commit_id + 4
+    reverts = net.stats["reverts"]
+
+    b = elect(net, a)
+    assert net.core(b).vote_id > vote_a
+    won: list = []
+    for k in range(new_writes):
+        entry = net.core(b).store.decide_produce(
+            ProduceRequest(queue="q", data=f"won{k}", delay_s=None, ttl_s=None, retry_s=0),
+            net.now)
+        write_now(net, b, entry, won)
+    last_b = net.core(b).log.last_trans_id
+    assert net.run_until(lambda: net.core(b).commit_id >= last_b, 5_000)
+
+    # The moment A's log drops its lost entries, its store is the committed
+    # state at its position: the undo records took all four back.
+    rolled_back: list = []
+
+    def on_step(ids) -> None:
+        core = net.core(a)
+        if a in ids and core is not None and not rolled_back and not log_data(net, a) & lost_data:
+            rolled_back.append(core.applied_id)
+            assert core.applied_id == core.commit_id
+            assert core.store.to_wire() == net.checker.reference(core.applied_id), \
+                f"seed {seed}: A's store after the rollback is not the committed state"
+
+    net.observers.append(on_step)
+    net.heal()
+    m = settle(net)
+    assert m != a and rolled_back, f"seed {seed}: A never dropped its lost entries"
+    assert net.stats["reverts"] - reverts >= 4 and net.stats["truncations"] >= 1
+    assert net.stats["snapshots"] == 0  # a truncation, not a snapshot install, dropped them
+    assert not lost_data & (log_data(net, a) | all_data(net, a))
+    w = wires(net)
+    assert all(v == w[m] for v in w.values()), f"seed {seed}: stores differ"
+    assert all_data(net, a) == {"early0", "early1"} | {f"won{k}" for k in range(new_writes)}
+    if not new_writes:
+        assert w[a] == before, f"seed {seed}: A's store is not what it was before the partition"
 
 
 # -- (b) a split vote in which one voter could grant two candidates ----------
