@@ -82,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -989,12 +990,16 @@ def print_summary(report: Report) -> None:
         print(f"  {n}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    _fill_defaults(args)
+def run_in_a_data_dir(args: argparse.Namespace, argv: list[str] | None, prefix: str,
+                      run: Callable[[str], Awaitable[object]]) -> tuple[int, float]:
+    """The frame of a bench's main() that starts nodes: a fresh directory
+    under --dir, the header lines, SIGTERM taken as Ctrl-C, `run(root)` on
+    uvloop, then every node started here stopped (also on an error or
+    Ctrl-C) and the directory removed unless --keep. Returns the exit
+    status and the start time."""
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="qserver-durability-", dir=base)
+    root = tempfile.mkdtemp(prefix=prefix, dir=base)
     print("$ " + shlex.join([sys.executable, sys.argv[0]]
                             + (sys.argv[1:] if argv is None else argv)))
     head = subprocess.run(["git", "log", "-1", "--format=%h %s"], cwd=REPO_DIR,
@@ -1007,11 +1012,10 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    report = Report()
     rc = 0
     t0 = time.perf_counter()
     try:
-        uvloop.run(_run(args, root, report))
+        uvloop.run(run(root))
     except KeyboardInterrupt:
         print("\ninterrupted; stopping every node", file=sys.stderr)
         rc = 130
@@ -1028,6 +1032,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+    return rc, t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _fill_defaults(args)
+    report = Report()
+    rc, t0 = run_in_a_data_dir(args, argv, "qserver-durability-",
+                               lambda root: _run(args, root, report))
     print_summary(report)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end; {time.perf_counter() - t0:.0f} s "
           f"in all")

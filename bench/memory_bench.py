@@ -37,30 +37,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import orjson
-import uvloop
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, BENCH_DIR)
 import durability_bench as db  # noqa: E402  (this directory, whether run as a script or not)
 from durability_bench import (  # noqa: E402
-    _ALL_NODES,
     FILL_QUEUE,
     FILL_TTL_S,
     Cluster,
     DidNotFinish,
     Node,
-    _fs_type,
     fill,
     node_config,
     settle,
@@ -328,42 +320,9 @@ async def _run(args: argparse.Namespace, root: str, report: Report) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    base = args.dir or tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="qserver-memory-", dir=base)
-    print("$ " + shlex.join([sys.executable, sys.argv[0]]
-                            + (sys.argv[1:] if argv is None else argv)))
-    head = subprocess.run(["git", "log", "-1", "--format=%h %s"], cwd=REPO_DIR,
-                          capture_output=True, text=True).stdout.strip()
-    print(f"qserver at {head[:100]}")
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average "
-          f"{os.getloadavg()[0]:.2f} at start; data under {root} ({_fs_type(root)})", flush=True)
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
     report = Report()
-    rc = 0
-    t0 = time.perf_counter()
-    try:
-        uvloop.run(_run(args, root, report))
-    except KeyboardInterrupt:
-        print("\ninterrupted; stopping every node", file=sys.stderr)
-        rc = 130
-    except Exception as exc:  # a bug here: still stop the nodes and print what was measured
-        print(f"\nbench failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        rc = 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for n in _ALL_NODES:
-            if n.alive:
-                n.kill_now()
-        if args.keep:
-            print(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+    rc, t0 = db.run_in_a_data_dir(args, argv, "qserver-memory-",
+                                  lambda root: _run(args, root, report))
     print_table(args, report)
     print(f"\n{time.perf_counter() - t0:.0f} s in all")
     return rc

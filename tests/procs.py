@@ -168,6 +168,23 @@ class TcpClient:
             _open_clients.discard(self)
 
 
+def pipelined(port: int, requests: list[dict]) -> list[dict]:
+    """Send every request in one write on a new connection, read every
+    answer (in order)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S) as sock:
+        sock.sendall(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+        buf = b""
+        answers: list[dict] = []
+        while len(answers) < len(requests):
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed by server")
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            answers += [json.loads(line) for line in lines]
+        return answers
+
+
 class UdpClient:
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.addr = (host, port)

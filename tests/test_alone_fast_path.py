@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 
@@ -19,6 +18,7 @@ from procs import (
     TcpClient,
     UdpClient,
     free_port,
+    pipelined,
     write_config,
 )
 from qserver.config import load_config
@@ -52,18 +52,24 @@ def _config(tmp_path, fsync: str):
     return load_config(str(path))
 
 
+async def _on_the_fast_path(node: Node):
+    """The node's engine once it is master and commits at once (a node alone
+    elects itself at its first tick)."""
+    engine = node.engine
+    for _ in range(2000):
+        if engine.commits_at_once:
+            return engine
+        await asyncio.sleep(0.01)
+    raise AssertionError("the fast path did not come on")
+
+
 @pytest.mark.parametrize("fsync", ["off", "batch"])
 def test_an_answer_waits_for_its_record_on_disk(tmp_path, fsync):
     async def main() -> None:
         node = Node(_config(tmp_path, fsync))
         await node.start()
         try:
-            engine = node.engine
-            for _ in range(200):  # the node elects itself at its first tick
-                if engine.commits_at_once:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.commits_at_once
+            engine = await _on_the_fast_path(node)
             storage = engine.storage
 
             conn = ClientTcpProtocol(node)
@@ -94,11 +100,7 @@ def test_a_general_write_turns_the_fast_path_off_until_its_turn_is_written(tmp_p
         node = Node(_config(tmp_path, "batch"))
         await node.start()
         try:
-            engine = node.engine
-            for _ in range(200):
-                if engine.commits_at_once:
-                    break
-                await asyncio.sleep(0.01)
+            engine = await _on_the_fast_path(node)
 
             conn = ClientTcpProtocol(node)
             transport = _Transport()
@@ -135,21 +137,6 @@ def test_a_general_write_turns_the_fast_path_off_until_its_turn_is_written(tmp_p
     asyncio.run(main())
 
 
-def _pipelined(port: int, requests: list[dict]) -> list[dict]:
-    """Send every request in one write, read every answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
-        buf = b""
-        answers: list[dict] = []
-        while len(answers) < len(requests):
-            chunk = sock.recv(65536)
-            assert chunk, "closed by the server"
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            answers += [json.loads(line) for line in lines]
-        return answers
-
-
 @pytest.mark.parametrize("fsync", ["off", "batch"])
 def test_every_acknowledged_write_survives_kill_9(tmp_path, fsync):
     port = free_port()
@@ -168,7 +155,7 @@ def test_every_acknowledged_write_survives_kill_9(tmp_path, fsync):
                 requests.append({"action": 1, "queue": "q", "data": f"p{i}", "priority": 5})
             if i % 10 == 9:
                 requests.append({"action": 2, "queue": "q"})
-        answers = _pipelined(port, requests)
+        answers = pipelined(port, requests)
         assert all(a["code"] == 0 for a in answers), [a for a in answers if a["code"]]
         udp = UdpClient(port)
         for i in range(20):
@@ -206,12 +193,7 @@ def test_the_answer_to_a_forwarded_write_waits_for_its_record_too(tmp_path):
         node = Node(_config(tmp_path, "batch"))
         await node.start()
         try:
-            engine = node.engine
-            for _ in range(200):
-                if engine.commits_at_once:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.commits_at_once
+            engine = await _on_the_fast_path(node)
             sent: list[dict] = []
 
             def service(request, now, respond, session):

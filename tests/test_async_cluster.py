@@ -8,28 +8,11 @@ turn's write)."""
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 
 import pytest
 
-from procs import Cluster, TcpClient, wait_until
-
-
-def _pipelined(port: int, requests: list[dict]) -> list[dict]:
-    """Send every request in one write, read every answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
-        buf = b""
-        answers: list[dict] = []
-        while len(answers) < len(requests):
-            chunk = sock.recv(65536)
-            assert chunk, "closed by the server"
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            answers += [json.loads(line) for line in lines]
-        return answers
+from procs import Cluster, TcpClient, pipelined, wait_until
 
 
 def _cluster(tmp_path: Path, storage: bool) -> Cluster:
@@ -78,7 +61,7 @@ def test_async_master_answers_at_once_and_the_slaves_follow(tmp_path, storage):
             if i % 50 == 0:
                 requests.append({"action": 1, "queue": "q", "data": f"p{i}", "priority": 3,
                                  "retry": 30})
-        answers = _pipelined(c.port(m), requests)
+        answers = pipelined(c.port(m), requests)
         assert all(a["code"] == 0 for a in answers), [a for a in answers if a["code"]]
         ids = [a["msg_id"] for a in answers if "msg_id" in a]
         ids += [x for a in answers for x in a.get("msg_ids", [])]
