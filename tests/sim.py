@@ -55,7 +55,8 @@ NativeCore.append_now); its record is written first thing in the node's
 next flush, before the Ready's records (the disk checks that trans_ids
 follow each other), and the answer goes right after that write, before
 the Ready's messages; the push follows with a Ready, whenever the core
-decides. Like the other writes of a turn, with `batch_rate` the write
+decides (in async mode `run_schedule` draws the core's push_interval_ms:
+0, the driver's ASYNC_PUSH_INTERVAL_MS or 20 ms). Like the other writes of a turn, with `batch_rate` the write
 waits for the end of the instant; a crash before it loses the record and
 the answer. Its flushes are durable: the driver's fast path needs fsync
 off or batch, whose loss of unsynced records on a power loss async mode
@@ -144,6 +145,7 @@ from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
 from qserver.engines.native import core as native
 from qserver.engines.native.core import NativeCore, Role, Timing
+from qserver.engines.native.driver import ASYNC_PUSH_INTERVAL_MS
 from qserver.engines.native.durability import BATCH_SYNC_MS
 from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
 from qserver.service import EXPIRE_BATCH
@@ -321,7 +323,7 @@ class Network:
                  virtual_queues: dict | None = None, check: bool = True,
                  external_snapshots: bool = False, deferred_sync: bool = False,
                  fsync_ms: tuple[int, int] = (1, 5), snapshot_write_ms: tuple[int, int] = (1, 20),
-                 snapshot_chunks: tuple[int, int] = (1, 3)) -> None:
+                 snapshot_chunks: tuple[int, int] = (1, 3), push_interval_ms: int = 0) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = START_MS
@@ -338,6 +340,9 @@ class Network:
         self.fsync_ms = fsync_ms  # (min, max) duration of a sync off the event loop
         self.snapshot_write_ms = snapshot_write_ms  # (min, max) time a forked writer takes
         self.snapshot_chunks = snapshot_chunks  # (min, max) chunks of a streamed file
+        # Async mode's coalesced pushes (NativeCore push_interval_ms; the
+        # driver's ASYNC_PUSH_INTERVAL_MS): nothing here waits for a push.
+        self.push_interval_ms = push_interval_ms
         self.ids = list(range(1, n + 1))
         self.nodes: dict[int, SimNode] = {}
         self.queue: list = []  # heap of (deliver_at, seq, src, dst, wire or _Chunk/_Ack)
@@ -408,7 +413,8 @@ class Network:
                           async_mode=self.async_mode, sync_rate=self.sync_rate,
                           log_size=self.log_size, vote_id=vote_id, voted_for=voted_for,
                           external_snapshots=self.external_snapshots,
-                          deferred_sync=self.deferred_sync)
+                          deferred_sync=self.deferred_sync,
+                          push_interval_ms=self.push_interval_ms)
         return core
 
     def _instrument(self, node: SimNode, store: Store) -> None:
@@ -2931,7 +2937,8 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
                   external_snapshots=production, deferred_sync=production,
                   fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30), (20, 120))),
                   snapshot_write_ms=rng.choice(((1, 5), (5, 60), (40, 400))),
-                  snapshot_chunks=rng.choice(((1, 1), (1, 3), (1, 8))))
+                  snapshot_chunks=rng.choice(((1, 1), (1, 3), (1, 8))),
+                  push_interval_ms=rng.choice((0, ASYNC_PUSH_INTERVAL_MS, 20)) if async_mode else 0)
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
     net.drop_rate = rng.choice((0.0, 0.0, 0.02, 0.1))
     net.batch_rate = rng.choice((0.0, 0.0, 0.5, 0.9))
