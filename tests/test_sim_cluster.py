@@ -20,7 +20,12 @@ new write. Three schedules in four run the cluster adapter's configuration
 (snapshot files written by a simulated fork, streamed in chunks and
 installed; in quorum mode fsync=always with the master's own fsync off the
 loop, a crash losing what it had not fsynced); the others the sim's own
-(snapshots as one message, every flush durable). Invariants 1 to 4 of
+(snapshots as one message, every flush durable). In async mode a master
+answers a produce, a plain consume or a confirm at once by the fast path
+(NativeCore.append_now, as ClusterEngine.commit_now does, whenever its
+conditions hold: its record written before the answer and before the
+Ready's records), and pushes may be coalesced (push_interval_ms 0, 2 or
+20 ms). Invariants 1 to 4 of
 design.md are checked after every delivered message, timer and event;
 invariants 6 and 7 on every answer a client accepted, against the
 committed history (what async mode does not promise is checked in quorum
