@@ -49,18 +49,19 @@ Two configurations (Network arguments):
 
 Async mode's fast path (both configurations): while `commits_at_once`
 holds on a master (ClusterEngine's conditions: master, no deferred sync,
-no log change pending in its Ready), a client write that service.py hands
-to commit_now is appended and applied at once (`append_now`,
+no log change pending in its Ready), a client write that service.py
+hands to commit_now is appended and applied at once (`append_now`,
 NativeCore.append_now); its record is written first thing in the node's
 next flush, before the Ready's records (the disk checks that trans_ids
 follow each other), and the answer goes right after that write, before
 the Ready's messages; the push follows with a Ready, whenever the core
 decides (in async mode `run_schedule` draws the core's push_interval_ms:
-0, the driver's ASYNC_PUSH_INTERVAL_MS or 20 ms). Like the other writes of a turn, with `batch_rate` the write
-waits for the end of the instant; a crash before it loses the record and
-the answer. Its flushes are durable: the driver's fast path needs fsync
-off or batch, whose loss of unsynced records on a power loss async mode
-allows anyway; what a slave acknowledges is fsynced either way.
+0, the driver's ASYNC_PUSH_INTERVAL_MS or 20 ms). Like the other writes
+of a turn, with `batch_rate` the write waits for the end of the instant;
+a crash before it loses the record and the answer. Its flushes are
+durable: the driver's fast path needs fsync off or batch, whose loss of
+unsynced records on a power loss async mode allows anyway; what a slave
+acknowledges is fsynced either way.
 
 A crash loses the node's memory and its adapter's state (syncs, timers,
 writers, streams in progress), never its fsynced disk: records written but

@@ -264,20 +264,18 @@ def test_async_master_undoes_the_writes_it_answered_at_once_when_a_new_master_ha
         assert w[a] == before, f"seed {seed}: A's store is not what it was before the partition"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "core: with coalesced pushes, a slave's pull takes records the master has not pushed "
-    "yet, they commit, the log is compacted past pushed_upto, and _push_new slices "
-    "compacted records (InvariantError: slice from 29: compacted up to 36)"))
-def test_records_pulled_before_their_coalesced_push_and_compacted_do_not_stop_the_master():
-    """Async mode, push_interval_ms 20, log_size 10, in-memory snapshots:
-    master 2 of vote 4 appends records 29-46 within one push interval; a
-    heartbeat tells slave 1 its last trans_id, slave 1 pulls them all
-    (served from 29: sent_upto 46, pushed_upto still 28), they commit
-    with the master's copy (commit 46) and the log is compacted to base
-    36; the next take_ready pushes from pushed_upto + 1 = 29 to slave 3
-    (still in step at 28) and fails. Seeds 3824 and 4621 fail the same
-    way (3 nodes, async)."""
-    run_schedule(2604, n=3, async_mode=True)
+@pytest.mark.parametrize("seed", [2604, 3824, 4621])
+def test_records_pulled_before_their_coalesced_push_and_compacted_do_not_stop_the_master(seed):
+    """Async mode, push_interval_ms 20, log_size 10, in-memory snapshots
+    (seed 2604): master 2 of vote 4 appends records 29-46 within one push
+    interval; a heartbeat tells slave 1 its last trans_id, slave 1 pulls
+    them all (served from 29: sent_upto 46, pushed_upto still 28), they
+    commit with the master's copy (commit 46). The log used to be
+    compacted to base 36 then, and the next take_ready's push from
+    pushed_upto + 1 = 29 to slave 3 (still in step at 28) raised
+    InvariantError; a master now never compacts past what it has pushed.
+    Seeds 3824 and 4621 failed the same way (3 nodes, async)."""
+    run_schedule(seed, n=3, async_mode=True)
 
 
 # -- (b) a split vote in which one voter could grant two candidates ----------

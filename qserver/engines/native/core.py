@@ -864,6 +864,11 @@ class NativeCore:
             upto = min(commit_id, self.applied_id)
             if self.external_snapshots and self.peers:  # a slave may need the log after it
                 upto = min(upto, self.snapshot_id)
+            if self.role is Role.MASTER and self.peers:
+                # Records not yet pushed (coalesced, or appended this turn)
+                # are pushed from the log to the slaves in step, even once
+                # a pull took them to another slave and they committed.
+                upto = min(upto, self.pushed_upto)
             if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
                 self.log.compact(self.log_size, upto)
 
