@@ -447,7 +447,7 @@ class Service:
                 obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
             respond(obj)
 
-        if self.engine.commits_at_once:  # single node: no callback on the hot path
+        if self.engine.commits_at_once:  # answered at once: no callback on the hot path
             done(self.engine.commit_now(outcome), None)
         else:
             self.engine.propose(outcome, done)
@@ -926,7 +926,7 @@ class Service:
         """Send `response`, computed from the master's state now, once that
         state rests on committed entries only (Engine.read_index); if the
         master loses its role first, answer `request` with the error."""
-        if self.engine.commits_at_once:  # a lone node: its state is committed and written
+        if self.engine.commits_at_once:  # the engine waits for nobody (Engine.commits_at_once)
             respond(response)
             return
 

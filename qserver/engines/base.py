@@ -131,11 +131,12 @@ class Engine(Protocol):
     # master alone with storage or in async mode (fsync off or batch) while
     # its log has room.
     # The service reads it on every request, and calls `commit_now` instead
-    # of `propose` while it holds. It holds only while nothing proposed is
-    # uncommitted or unwritten, so the service may answer reads at once then.
+    # of `propose` while it holds; it answers reads at once then too (the
+    # engine waits for nobody: a lone node's state is committed, an async
+    # master answers reads at once anyway).
     commits_at_once: bool
 
-    # True while entries that `commit_now` committed are not yet persisted:
+    # True while entries that `commit_now` took are not yet persisted:
     # the client protocols hold their answers back (every answer, so that
     # none overtakes one held) until the engine calls `release_answers`
     # (set by the node). Always False for an engine without such a wait.

@@ -446,16 +446,12 @@ class NativeCore:
                 or self.ready.snapshot is not None):
             raise InvariantError("append_now needs a master alone or in async mode, nothing "
                                  "deferred and no log change pending in the Ready")
-        log = self.log
-        record = log.append_entry(entry, self.vote_id)
+        record = self.log.append_entry(entry, self.vote_id)
         if self.peers:
             return record, self._apply_speculative(record)
         result = self.store.apply(entry)
         self.applied_id = self.commit_id = record.trans_id
-        if len(log) > self.log_size + COMPACT_SLACK:
-            upto = record.trans_id
-            if upto - log.base_trans_id >= COMPACT_SLACK:
-                log.compact(self.log_size, upto)
+        self._maybe_compact()
         return record, result
 
     def read_index(self, done: Done) -> None:
@@ -860,17 +856,23 @@ class NativeCore:
                     partial(done, result, None) if ok else partial(done, None, OUTCOME_UNKNOWN))
         if self.reads:
             self._maybe_answer_reads()
-        if len(self.log) > self.log_size + COMPACT_SLACK:
-            upto = min(commit_id, self.applied_id)
-            if self.external_snapshots and self.peers:  # a slave may need the log after it
-                upto = min(upto, self.snapshot_id)
-            if self.role is Role.MASTER and self.peers:
-                # Records not yet pushed (coalesced, or appended this turn)
-                # are pushed from the log to the slaves in step, even once
-                # a pull took them to another slave and they committed.
-                upto = min(upto, self.pushed_upto)
-            if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
-                self.log.compact(self.log_size, upto)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Drop the log's oldest committed records beyond log_size, in bulk,
+        keeping what a slave may still need."""
+        if len(self.log) <= self.log_size + COMPACT_SLACK:
+            return
+        upto = min(self.commit_id, self.applied_id)
+        if self.external_snapshots and self.peers:  # a slave may need the log after it
+            upto = min(upto, self.snapshot_id)
+        if self.role is Role.MASTER and self.peers:
+            # Records not yet pushed (coalesced, or appended this turn)
+            # are pushed from the log to the slaves in step, even once
+            # a pull took them to another slave and they committed.
+            upto = min(upto, self.pushed_upto)
+        if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
+            self.log.compact(self.log_size, upto)
 
     def _apply_speculative(self, record: Record) -> object:
         ops: list[Any] = []

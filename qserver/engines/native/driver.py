@@ -199,7 +199,7 @@ class ClusterEngine:
         self._fast_ok = ((not peers or config.mode is Mode.ASYNC)
                          and (storage is None or config.fsync is not Fsync.ALWAYS))
         self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
-        self._unwritten: list[Record] = []  # committed by commit_now this turn, to write
+        self._unwritten: list[Record] = []  # appended by commit_now this turn, to write
         # (respond, answer) to forwarded requests, held as `holding` says
         self._held_replies: list[tuple[Respond, dict]] = []
         # Set by the node: called once the records that `holding` waited for
@@ -211,12 +211,12 @@ class ClusterEngine:
 
     # -- Engine interface ----------------------------------------------------
 
-    # True while the fast path of a node alone holds (see "Alone: commit at
-    # once" in the module docstring and `_update_fast_path`); the service
-    # then calls `commit_now` instead of `propose`.
+    # True while the fast path holds (see "Answering at once" in the module
+    # docstring and `_update_fast_path`); the service then calls
+    # `commit_now` instead of `propose`.
     commits_at_once = False
-    # True while records of commit_now are committed but not yet written:
-    # the client protocols hold their answers back until `release_answers`.
+    # True while records of commit_now are not yet written: the client
+    # protocols hold their answers back until `release_answers`.
     holding = False
 
     @property
