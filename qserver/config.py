@@ -15,7 +15,19 @@ XML elements (design.md section 4; cluster.xml.example documents each):
     <queue name="a" max_size="..." max_deliveries="..." dead_letter="..." dedup_window="..."/>
     <replication engine="native|raft" mode="quorum|async" forward_request="1|0"/>
     <storage dir="PATH" fsync="always|batch|off"/>
-    <limits max_request_size="BYTES" max_wait="SECONDS"/>
+    <limits max_request_size="BYTES" max_wait="SECONDS" max_ready_lag="ENTRIES"/>
+    <http host="127.0.0.1" port="1121" per_queue="1"/>
+    <security client_token="..." client_token_file="PATH">
+        <token name="producer" token="..." token_file="PATH" actions="produce,monitor"/>
+    </security>
+    <tls cert="PATH" key="PATH" ca="PATH" client_cert="none|optional|required"
+         udp="0|1" peers="0|1"/>
+
+`<node_info advertise_host>` is the address clients are sent to (redirects,
+`leader_host`, status); it defaults to `host`, and a cluster node that binds
+every address (0.0.0.0, ::) must give it. `<cluster secret_file>` and the
+`*_file` attributes of `<security>` read a secret from a file (its text,
+stripped); a relative path is taken from the configuration file's directory.
 
 A top-level `<queue>` (repeatable; not the `<queue>` members inside a
 `<virtual_queue>`) gives one real queue static defaults of its settings;
@@ -29,6 +41,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -44,6 +57,9 @@ __all__ = [
     "Engine",
     "Mode",
     "Fsync",
+    "ClientToken",
+    "ClientCert",
+    "ACTION_NAMES",
     "load_config",
     "parse_xml",
     "parse_json",
@@ -120,6 +136,50 @@ class PeerConfig:
         return self.dial or (self.host, self.port)
 
 
+class ClientCert(enum.Enum):
+    """Whether the client TLS port asks clients for a certificate."""
+    NONE = "none"
+    OPTIONAL = "optional"
+    REQUIRED = "required"
+
+
+# Action names a token's `actions` may list (numbers are accepted too).
+# monitor and list cover their node-local forms (104, 107). auth (0) needs
+# no permission: it is how a connection presents its token.
+ACTION_NAMES: dict[str, tuple[int, ...]] = {
+    "produce": (1,), "consume": (2,), "confirm": (3,), "monitor": (4, 104),
+    "config": (5,), "clear": (6,), "list": (7, 107), "leader": (8,), "nack": (9,),
+    "touch": (10,), "show": (11,), "peek": (12,), "transfer_leader": (20,),
+    "drain": (108,), "health": (109,),
+}
+# Shorthands: what a consumer, a read-only monitor and an operator need.
+_ACTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "consumer": ("consume", "confirm", "nack", "touch"),
+    "read": ("monitor", "list", "leader", "show", "peek", "health"),
+    "admin": ("config", "clear", "transfer_leader", "drain"),
+}
+ALL_ACTIONS = frozenset(a for actions in ACTION_NAMES.values() for a in actions)
+# Tokens shorter than this are refused: a client token guards the whole
+# port, and a short one is guessed online.
+MIN_TOKEN_LENGTH = 16
+# The default bound of /readyz and action 109: a slave more than this many
+# entries behind the master's commit is not ready.
+DEFAULT_MAX_READY_LAG = 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientToken:
+    """One client token of <security>: its name (for logs and metrics), the
+    secret text, and the actions it allows."""
+
+    name: str
+    token: str = field(repr=False)
+    actions: frozenset[int] = ALL_ACTIONS
+
+    def allows(self, action: object) -> bool:
+        return action in self.actions
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     """Every setting of one node, validated."""
@@ -131,6 +191,9 @@ class Config:
     node_id: int = 1
     host: str = DEFAULT_HOST  # client port (TCP and UDP) binds here
     port: int = DEFAULT_PORT
+    # What clients are told to connect to (redirects, leader_host, status);
+    # None: `host`. See `client_host`.
+    advertise_host: str | None = None
     queue_size: int = DEFAULT_QUEUE_SIZE
     log_size: int = DEFAULT_LOG_SIZE
     sync_rate: int = DEFAULT_SYNC_RATE
@@ -148,6 +211,22 @@ class Config:
     fsync: Fsync = Fsync.BATCH
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
     max_wait_s: int = DEFAULT_MAX_WAIT_S  # the longest long poll (consume `wait`)
+    max_ready_lag: int = DEFAULT_MAX_READY_LAG  # entries behind the commit, still ready
+    # <http>: metrics and probes; None: no HTTP port.
+    http_host: str = DEFAULT_HOST
+    http_port: int | None = None
+    metrics_per_queue: bool = True  # per-queue series (off for very many queues)
+    # <security>: with tokens, every client request must be authenticated.
+    client_tokens: tuple[ClientToken, ...] = ()
+    # <tls>: the client TCP port speaks TLS when tls_cert is set.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # CA bundle for client certificates (and peers)
+    tls_client_cert: ClientCert = ClientCert.NONE
+    tls_peers: bool = False  # the internal links use TLS too
+    # The client UDP port: on unless TLS is on (UDP would carry in the clear
+    # what TLS protects) and <tls udp="1"> does not turn it back on.
+    udp: bool = True
 
     @classmethod
     def default(cls) -> Config:
@@ -157,6 +236,19 @@ class Config:
     @property
     def max_udp_request_size(self) -> int:
         return min(self.max_request_size, MAX_UDP_PAYLOAD)
+
+    @property
+    def client_host(self) -> str:
+        """The host clients are given for this node: advertise_host, else host."""
+        return self.advertise_host or self.host
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.client_tokens)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
 
 # queue_server's log levels: 0..7 from least to most verbose (syslog-like,
@@ -324,20 +416,140 @@ def _queue_name(r: _Reader, name: str | None, what: str = "queue name") -> str:
 
 def _build(file: str, sections: dict[str, _Reader], cluster: _Reader | None,
            nodes: list[_Reader], virtual: list[tuple[_Reader, list[_Reader]]],
-           queues: list[_Reader]) -> Config:
+           queues: list[_Reader], tokens: list[_Reader] | None = None) -> Config:
     kw: dict[str, Any] = {"source": file}
     _read_sections(kw, sections)
     if cluster:
-        cluster.check_known("secret")
-        secret = cluster.text("secret")
+        cluster.check_known("secret", "secret_file")
+        secret = _secret(cluster, "secret", "secret_file")
         if secret is not None and not secret:
             raise cluster.error("secret must not be empty (omit it for no authentication)")
         kw["secret"] = secret
+    if "security" in sections:
+        kw["client_tokens"] = _client_tokens(sections["security"], tokens or [])
     kw["peers"] = _peers(file, nodes, kw.get("node_id", 1), kw.get("host", DEFAULT_HOST),
                          kw.get("port", DEFAULT_PORT))
+    if (len(kw["peers"]) > 1 and kw.get("host", DEFAULT_HOST) in _ANY_ADDRESS
+            and not kw.get("advertise_host")):
+        # Clients must never be sent to 0.0.0.0. queue_server's own example
+        # binds 0.0.0.0: its <cluster> entry names the address the other
+        # nodes reach it at, which clients can reach too; without one, refuse.
+        me = next(p for p in kw["peers"] if p.node_id == kw.get("node_id", 1))
+        if me.host in _ANY_ADDRESS:
+            raise ConfigError(file, "node_info",
+                              f"host={kw['host']!r} binds every address: a cluster node must "
+                              "set advertise_host, the address its clients are sent to")
+        kw["advertise_host"] = me.host
     kw["virtual_queues"] = _virtual_queues(file, virtual)
     kw["queue_defaults"] = _queue_defaults(queues, kw["virtual_queues"])
     return Config(**kw)
+
+
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def _path(r: _Reader, name: str, *, must_exist: bool = True) -> str | None:
+    """An optional file path attribute, relative to the configuration file's
+    directory; with `must_exist`, a file that is not there is an error now
+    rather than at start-up."""
+    raw = r.text(name)
+    if raw is None:
+        return None
+    raw = raw.strip()
+    if not raw:
+        raise r.error(f"{name} must not be empty")
+    path = raw
+    if not os.path.isabs(path) and not r.file.startswith("<"):
+        path = os.path.join(os.path.dirname(os.path.abspath(r.file)), path)
+    if must_exist and not os.path.isfile(path):
+        raise r.error(f"{name}={raw!r}: no such file ({path})")
+    return path
+
+
+def _secret(r: _Reader, name: str, file_name: str) -> str | None:
+    """A secret given inline (`name`) or in a file (`file_name`: its text,
+    stripped of surrounding white space); not both."""
+    inline = r.text(name)
+    path = _path(r, file_name, must_exist=False)
+    if path is None:
+        return inline
+    if inline is not None:
+        raise r.error(f"give {name} or {file_name}, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise r.error(f"{file_name}={path!r}: cannot read: {problem}") from None
+    if not text:
+        raise r.error(f"{file_name}={path!r} is empty")
+    return text
+
+
+def _actions(r: _Reader) -> frozenset[int]:
+    """A token's `actions`: names, groups or numbers, comma-separated;
+    absent or "all": every action."""
+    raw = r.text("actions")
+    if raw is None or raw.strip().lower() in ("all", "*"):
+        return ALL_ACTIONS
+    out: set[int] = set()
+    for part in raw.split(","):
+        word = part.strip().lower()
+        if not word:
+            continue
+        if word in ACTION_NAMES:
+            out.update(ACTION_NAMES[word])
+        elif word in _ACTION_GROUPS:
+            for name in _ACTION_GROUPS[word]:
+                out.update(ACTION_NAMES[name])
+        elif word.isascii() and word.isdigit() and int(word) in ALL_ACTIONS:
+            out.add(int(word))
+        else:
+            known = ", ".join([*ACTION_NAMES, *_ACTION_GROUPS])
+            raise r.error(f"actions: unknown action {part.strip()!r} (known: {known}, "
+                          "all, or action numbers)")
+    if not out:
+        raise r.error("actions must name at least one action")
+    return frozenset(out)
+
+
+def _token_text(r: _Reader, name: str, file_name: str) -> str | None:
+    token = _secret(r, name, file_name)
+    if token is None:
+        return None
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+        raise r.error(f"{name}: a token must be at least {MIN_TOKEN_LENGTH} characters "
+                      "without white space")
+    return token
+
+
+def _client_tokens(security: _Reader, tokens: list[_Reader]) -> tuple[ClientToken, ...]:
+    """<security client_token|client_token_file> (one token for every
+    action, named "default") and its <token name token|token_file actions>
+    children."""
+    security.check_known("client_token", "client_token_file")
+    out: list[ClientToken] = []
+    default = _token_text(security, "client_token", "client_token_file")
+    if default is not None:
+        out.append(ClientToken(name="default", token=default))
+    for t in tokens:
+        t.check_known("name", "token", "token_file", "actions")
+        name = t.text("name", required=True).strip()
+        if not name or len(name) > 64 or any(c.isspace() for c in name):
+            raise t.error(f"name={name!r} must be 1-64 characters without white space")
+        token = _token_text(t, "token", "token_file")
+        if token is None:
+            raise t.error("missing attribute 'token' (or 'token_file')")
+        if any(o.name == name for o in out):
+            raise t.error(f"duplicate token name {name!r}")
+        twin = next((o.name for o in out if o.token == token), None)
+        if twin is not None:
+            raise t.error(f"token {name!r} has the same secret as token {twin!r}")
+        out.append(ClientToken(name=name, token=token, actions=_actions(t)))
+    if not out:
+        raise security.error("no client token: give client_token, client_token_file or "
+                             "<token> elements (omit <security> for no authentication)")
+    return tuple(out)
 
 
 def _read_sections(kw: dict[str, Any], sections: dict[str, _Reader]) -> None:
@@ -354,11 +566,17 @@ def _read_sections(kw: dict[str, Any], sections: dict[str, _Reader]) -> None:
             kw["log_level"] = level
     r = sections.get("node_info")
     if r:
-        r.check_known("node_type", "node_id", "host", "port")
+        r.check_known("node_type", "node_id", "host", "port", "advertise_host")
         kw["node_type"] = r.integer("node_type", 10, lo=0, hi=2**31 - 1)
         kw["node_id"] = r.integer("node_id", 1, lo=1, hi=2**31 - 1)
         kw["host"] = r.host("host", DEFAULT_HOST)
         kw["port"] = r.port("port", DEFAULT_PORT)
+        if "advertise_host" in r.attrs:
+            advertise = r.host("advertise_host", DEFAULT_HOST)
+            if advertise in _ANY_ADDRESS:
+                raise r.error(f"advertise_host={advertise!r}: clients cannot connect to it; "
+                              "give the address they reach this node at")
+            kw["advertise_host"] = advertise
     r = sections.get("queue_config")
     if r:
         r.check_known("queue_size", "log_size", "sync_rate")
@@ -381,10 +599,37 @@ def _read_sections(kw: dict[str, Any], sections: dict[str, _Reader]) -> None:
         kw["fsync"] = r.choice("fsync", Fsync, Fsync.BATCH)
     r = sections.get("limits")
     if r:
-        r.check_known("max_request_size", "max_wait")
+        r.check_known("max_request_size", "max_wait", "max_ready_lag")
         kw["max_request_size"] = r.integer("max_request_size", DEFAULT_MAX_REQUEST_SIZE,
                                            lo=MIN_REQUEST_SIZE, hi=MAX_REQUEST_SIZE)
         kw["max_wait_s"] = r.integer("max_wait", DEFAULT_MAX_WAIT_S, lo=0, hi=MAX_WAIT_S)
+        kw["max_ready_lag"] = r.integer("max_ready_lag", DEFAULT_MAX_READY_LAG, lo=0,
+                                        hi=2**40)
+    r = sections.get("http")
+    if r:
+        r.check_known("host", "port", "per_queue")
+        kw["http_host"] = r.host("host", DEFAULT_HOST)
+        # port 0: any free port (tests); the node logs the one it bound.
+        kw["http_port"] = r.integer("port", lo=0, hi=65535, required=True)
+        kw["metrics_per_queue"] = r.flag("per_queue", True)
+    r = sections.get("tls")
+    if r:
+        r.check_known("cert", "key", "ca", "client_cert", "udp", "peers")
+        cert = _path(r, "cert")
+        key = _path(r, "key")
+        if cert is None or key is None:
+            raise r.error("cert and key are both required (PEM files)")
+        kw["tls_cert"], kw["tls_key"] = cert, key
+        kw["tls_ca"] = _path(r, "ca")
+        client_cert = r.choice("client_cert", ClientCert, ClientCert.NONE)
+        if client_cert is not ClientCert.NONE and kw["tls_ca"] is None:
+            raise r.error(f"client_cert={client_cert.value!r} needs ca, the CA that signs "
+                          "client certificates")
+        kw["tls_client_cert"] = client_cert
+        kw["udp"] = r.flag("udp", False)
+        kw["tls_peers"] = r.flag("peers", False)
+        if kw["tls_peers"] and kw["tls_ca"] is None:
+            raise r.error("peers=1 needs ca, the CA that signs the nodes' certificates")
 
 
 def _peers(file: str, nodes: list[_Reader], node_id: int, host: str,
@@ -483,7 +728,8 @@ def _queue_defaults(queues: list[_Reader],
     return out
 
 
-_SECTIONS = ("log", "node_info", "queue_config", "replication", "storage", "limits")
+_SECTIONS = ("log", "node_info", "queue_config", "replication", "storage", "limits",
+             "http", "tls")
 
 
 def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
@@ -497,10 +743,22 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
     nodes: list[_Reader] = []
     virtual: list[tuple[_Reader, list[_Reader]]] = []
     queues: list[_Reader] = []
+    tokens: list[_Reader] = []
     for el in root:
         if not isinstance(el.tag, str):
             continue  # comments, processing instructions
-        if el.tag in _SECTIONS:
+        if el.tag == "security":
+            if "security" in sections:
+                raise ConfigError(file, el.tag, "given twice")
+            sections["security"] = _Reader(file, "security", el.attrib)
+            for t in el:
+                if not isinstance(t.tag, str):
+                    continue
+                if t.tag != "token":
+                    raise ConfigError(file, f"security/{t.tag}",
+                                      "unknown element (expected <token>)")
+                tokens.append(_Reader(file, "security/token", t.attrib))
+        elif el.tag in _SECTIONS:
             if el.tag in sections:
                 raise ConfigError(file, el.tag, "given twice")
             sections[el.tag] = _Reader(file, el.tag, el.attrib)
@@ -532,7 +790,7 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
             queues.append(_Reader(file, "queue", el.attrib))
         else:
             raise ConfigError(file, el.tag, "unknown element")
-    return _build(file, sections, cluster, nodes, virtual, queues)
+    return _build(file, sections, cluster, nodes, virtual, queues, tokens)
 
 
 # queue_server's config.json keys -> (section, attribute).
@@ -547,7 +805,16 @@ _JSON_KEYS = {
     "forward_request": ("replication", "forward_request"),
     "max_request_size": ("limits", "max_request_size"),
     "max_wait": ("limits", "max_wait"),
-    "secret": ("cluster", "secret"),
+    "secret": ("cluster", "secret"), "secret_file": ("cluster", "secret_file"),
+    "advertise_host": ("node_info", "advertise_host"),
+    "max_ready_lag": ("limits", "max_ready_lag"),
+    "http_host": ("http", "host"), "http_port": ("http", "port"),
+    "metrics_per_queue": ("http", "per_queue"),
+    "client_token": ("security", "client_token"),
+    "client_token_file": ("security", "client_token_file"),
+    "tls_cert": ("tls", "cert"), "tls_key": ("tls", "key"), "tls_ca": ("tls", "ca"),
+    "tls_client_cert": ("tls", "client_cert"), "tls_udp": ("tls", "udp"),
+    "tls_peers": ("tls", "peers"),
 }
 # Accepted and ignored: queue_server's on-disk block count has no meaning here.
 _JSON_IGNORED = {"queue_data_blocks"}
@@ -564,6 +831,7 @@ def parse_json(text: str | bytes, file: str = "<string>") -> Config:
     attrs: dict[str, dict] = {}
     nodes: list[_Reader] = []
     virtual: list[tuple[_Reader, list[_Reader]]] = []
+    tokens: list[_Reader] = []
     for key, value in doc.items():
         if key in _JSON_KEYS:
             section, attr = _JSON_KEYS[key]
@@ -580,6 +848,11 @@ def parse_json(text: str | bytes, file: str = "<string>") -> Config:
                     raise ConfigError(file, key, "each node must be an object")
                 a = {("id" if k == "node_id" else k): v for k, v in item.items()}
                 nodes.append(_Reader(file, "cluster_node_list", a))
+        elif key == "client_tokens":  # [{name, token | token_file, actions}]
+            if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+                raise ConfigError(file, key, "must be a list of {name, token, actions} objects")
+            tokens.extend(_Reader(file, "client_tokens", t) for t in value)
+            attrs.setdefault("security", {})
         elif key == "virtual_queue_list":
             if not isinstance(value, list):
                 raise ConfigError(file, key, "must be a list")
@@ -594,7 +867,7 @@ def parse_json(text: str | bytes, file: str = "<string>") -> Config:
             raise ConfigError(file, key, "unknown setting")
     sections = {s: _Reader(file, s, a) for s, a in attrs.items() if s != "cluster"}
     cluster = _Reader(file, "cluster", attrs["cluster"]) if "cluster" in attrs else None
-    return _build(file, sections, cluster, nodes, virtual, [])
+    return _build(file, sections, cluster, nodes, virtual, [], tokens)
 
 
 def load_config(path: str) -> Config:

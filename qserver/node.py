@@ -77,7 +77,7 @@ class Node:
             self.engine = ClusterEngine(config=config, store=self.store, log_=self.log,
                                         storage=self.storage, vote=vote)
         else:
-            me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+            me = LeaderInfo(node_id=config.node_id, host=config.client_host, port=config.port)
             # Receipts' epoch: the start time in ms (see LocalEngine).
             self.engine = LocalEngine(store=self.store, log=self.log, me=me,
                                       log_size=config.log_size,

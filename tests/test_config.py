@@ -345,6 +345,8 @@ def test_queue_server_json():
         source="config.json", log_prefix="queue_server", log_level=logging.INFO, node_type=10,
         node_id=2, host="0.0.0.0", port=1112, queue_size=10000, log_size=100000, sync_rate=3000,
         storage_dir="data/node2",
+        # host 0.0.0.0: clients are sent to the node's own cluster address
+        advertise_host="127.0.0.1",
         peers=(PeerConfig(node_id=1, host="127.0.0.1", port=1101),
                PeerConfig(node_id=2, host="127.0.0.1", port=1102),
                PeerConfig(node_id=3, host="127.0.0.1", port=1103)),

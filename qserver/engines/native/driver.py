@@ -144,7 +144,8 @@ class ClusterEngine:
         peers = [p for p in config.peers if p.node_id != config.node_id]
         self.core = NativeCore(
             node_id=config.node_id, peer_ids=[p.node_id for p in peers], store=store,
-            log=log_, me=LeaderInfo(node_id=config.node_id, host=config.host, port=config.port),
+            log=log_,
+            me=LeaderInfo(node_id=config.node_id, host=config.client_host, port=config.port),
             rng=random.Random(), now_ms=now_ms(), timing=timing,
             async_mode=config.mode is Mode.ASYNC, sync_rate=config.sync_rate,
             log_size=config.log_size, vote_id=vote[0], voted_for=vote[1],

@@ -313,7 +313,7 @@ class RaftEngine:
     def __init__(self, *, config: Config, store: Store) -> None:
         self.config = config
         self.store = store
-        self.me = LeaderInfo(node_id=config.node_id, host=config.host, port=config.port)
+        self.me = LeaderInfo(node_id=config.node_id, host=config.client_host, port=config.port)
         self.machine = RaftMachine(store=store, node_id=config.node_id,
                                    async_mode=config.mode is Mode.ASYNC)
         peers = config.peers or ()
@@ -640,7 +640,7 @@ class RaftEngine:
         if up:
             net.send(peer_id, message_to_wire(Hello(
                 vote_id=self._term(), node_id=self.config.node_id,
-                client_host=self.config.host, client_port=self.config.port)))
+                client_host=self.config.client_host, client_port=self.config.port)))
         else:
             forwarder.link_down(peer_id)
 
