@@ -945,6 +945,9 @@ class Service:
         leader_id = leader.node_id if leader else 0
         info: JsonObject = {
             "node_id": self.config.node_id,
+            # where clients reach this node (advertise_host, else host)
+            "host": self.config.client_host,
+            "port": self.config.port,
             "leader_node_id": leader_id,
             "leader_id": leader_id,  # queue_server's name for the same field
             "role": status.role.value,
