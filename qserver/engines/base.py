@@ -23,7 +23,7 @@ from ..state.entries import Entry
 
 __all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "JsonObject", "Respond",
            "ForwardedHandler", "FatalHandler", "RoleHandler", "Cancel", "FORWARD_TIMEOUT_S",
-           "Session", "Role"]
+           "Session", "Role", "TransferDone"]
 
 # A client's request or answer: a decoded JSON object.
 JsonObject = dict[str, Any]
@@ -86,6 +86,9 @@ ForwardedHandler = Callable[[JsonObject, int, Respond, Session | None], None]
 FatalHandler = Callable[[BaseException], None]
 # Told when this node becomes master (True) or stops being master (False).
 RoleHandler = Callable[[bool], None]
+# Told how a leader transfer ended: (new master's node id, None) or (None,
+# reason); see Engine.transfer_leader.
+TransferDone = Callable[[int | None, str | None], None]
 
 
 class Role(enum.Enum):
@@ -192,6 +195,29 @@ class Engine(Protocol):
         cancels it (the client went: the master drops it, `respond` is not
         called); None when no master is reachable, in which case `respond`
         is never called."""
+
+    def transfer_leader(self, node_id: int, done: TransferDone) -> None:
+        """Hand the master role to `node_id` (a leader transfer: it starts
+        an election at once and wins it). `done(new_master_id, None)` once
+        this node has seen a new master take over (normally `node_id`;
+        another node if an election intervened); `done(own id, None)` at
+        once for this node itself when it is master; else `done(None,
+        reason)`, reason one of "not master", "no such node" (not a member
+        of the cluster), "node not caught up" (it did not hold the master's
+        whole log within an election timeout), "transfer timed out" (no new
+        master within an election timeout of the hand-over), "transfer in
+        progress" (one to another node is under way; one to the same node
+        is joined). While a transfer is under way the master appends
+        nothing: every write (a proposal, and `commits_at_once` is off) is
+        refused at once with "no leader", which clients retry elsewhere;
+        reads are answered as before (not by the raft engine in quorum
+        mode, whose reads append a marker entry: "no leader" too). A master
+        whose transfer failed takes writes again. May call `done` before
+        returning."""
+
+    def transfer_target(self) -> int | None:
+        """The most up-to-date slave now, as a master sees it (for drain);
+        None on a slave or when no slave answers."""
 
     def status(self) -> EngineStatus:
         """What monitor reports about replication on this node."""

@@ -27,6 +27,7 @@ from .base import (
     Respond,
     Role,
     RoleHandler,
+    TransferDone,
 )
 
 __all__ = ["LocalEngine"]
@@ -97,6 +98,16 @@ class LocalEngine:
     def forward(self, request: JsonObject, respond: Respond,
                 timeout_s: float | None = None) -> Cancel | None:
         return None  # always master: nothing to forward to
+
+    def transfer_leader(self, node_id: int, done: TransferDone) -> None:
+        """One node: it is the only member, master forever."""
+        if node_id == self.me.node_id:
+            done(node_id, None)
+        else:
+            done(None, "no such node")
+
+    def transfer_target(self) -> int | None:
+        return None  # no slave
 
     def status(self) -> EngineStatus:
         last = self.log.last_trans_id

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
-    "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "ForwardCancel", "Message",
+    "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "ForwardCancel", "TimeoutNow",
+    "Message",
     "message_to_wire", "message_from_wire", "message_from_peer",
 ]
 
@@ -56,6 +57,13 @@ class VoteRequest:
     `pre`: a pre-vote, asking "would you vote for me at `vote_id`?" without
     changing anyone's state, so that a node cut off from the master cannot
     push the epoch up and depose a healthy master when it comes back.
+
+    `transfer`: the election a `TimeoutNow` started (leader transfer): a
+    voter answers it even while it hears from a live master (the master
+    asked for it). On the wire only when true (a seventh field), so that
+    nodes of the previous release, which know six fields, read every other
+    vote request as before; a transfer's they drop (and log) as malformed,
+    and do not vote in it.
     """
 
     vote_id: int
@@ -63,6 +71,7 @@ class VoteRequest:
     last_vote_id: int
     last_trans_id: int
     pre: bool
+    transfer: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,8 +193,26 @@ class ForwardCancel:
     request_id: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeoutNow:
+    """Leader transfer (Raft's TimeoutNow): the master of `vote_id` asks
+    the receiving slave to start an election at once, without pre-vote and
+    without waiting for its timeout. The master sends it once the slave's
+    log holds everything up to (last_vote_id, last_trans_id), its own last
+    entry, and appends nothing meanwhile; the slave acts on it only if it
+    follows that master in that epoch and its log is at least there.
+    New in the release that added leader transfer: a node of the previous
+    release drops it as an unknown message (and logs it), and the transfer
+    times out."""
+
+    vote_id: int
+    node_id: int
+    last_vote_id: int
+    last_trans_id: int
+
+
 Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Snapshot
-           | SnapshotChunk | SnapshotAck | Forward | ForwardReply | ForwardCancel)
+           | SnapshotChunk | SnapshotAck | Forward | ForwardReply | ForwardCancel | TimeoutNow)
 
 
 def message_to_wire(msg: Message) -> list[Any]:
@@ -201,6 +228,9 @@ def message_to_wire(msg: Message) -> list[Any]:
     if type(msg) is Ping:
         return [2, msg.vote_id, msg.node_id, msg.leader_id, msg.last_vote_id, msg.last_trans_id]
     if type(msg) is VoteRequest:
+        if msg.transfer:  # 7 fields: only nodes that know leader transfer read it
+            return [3, msg.vote_id, msg.node_id, msg.last_vote_id, msg.last_trans_id, msg.pre,
+                    True]
         return [3, msg.vote_id, msg.node_id, msg.last_vote_id, msg.last_trans_id, msg.pre]
     if type(msg) is VoteReply:
         return [4, msg.vote_id, msg.node_id, msg.granted, msg.pre]
@@ -221,6 +251,8 @@ def message_to_wire(msg: Message) -> list[Any]:
         return [12, msg.vote_id, msg.node_id, msg.trans_id, msg.offset]
     if type(msg) is ForwardCancel:
         return [13, msg.vote_id, msg.node_id, msg.request_id]
+    if type(msg) is TimeoutNow:
+        return [14, msg.vote_id, msg.node_id, msg.last_vote_id, msg.last_trans_id]
     raise TypeError(f"not a message: {msg!r}")
 
 
@@ -298,10 +330,11 @@ def message_from_wire(obj: object) -> Message:
         return Ping(vote_id=vote_id, node_id=node_id, leader_id=_n(obj[3], "leader_id"),
                     last_vote_id=_n(obj[4], "last_vote_id"),
                     last_trans_id=_n(obj[5], "last_trans_id"))
-    if tag == 3 and n == 6:
+    if tag == 3 and (n == 6 or n == 7):  # 7: a leader transfer's election
         return VoteRequest(vote_id=vote_id, node_id=node_id,
                            last_vote_id=_n(obj[3], "last_vote_id"),
-                           last_trans_id=_n(obj[4], "last_trans_id"), pre=_bool(obj[5], "pre"))
+                           last_trans_id=_n(obj[4], "last_trans_id"), pre=_bool(obj[5], "pre"),
+                           transfer=_bool(obj[6], "transfer") if n == 7 else False)
     if tag == 4 and n == 5:
         return VoteReply(vote_id=vote_id, node_id=node_id, granted=_bool(obj[3], "granted"),
                          pre=_bool(obj[4], "pre"))
@@ -334,6 +367,10 @@ def message_from_wire(obj: object) -> Message:
     if tag == 13 and n == 4:
         return ForwardCancel(vote_id=vote_id, node_id=node_id,
                              request_id=_n(obj[3], "request_id"))
+    if tag == 14 and n == 5:
+        return TimeoutNow(vote_id=vote_id, node_id=node_id,
+                          last_vote_id=_n(obj[3], "last_vote_id"),
+                          last_trans_id=_n(obj[4], "last_trans_id"))
     raise ValueError(f"unknown message tag {tag!r} with {n} fields")
 
 

@@ -91,6 +91,27 @@ next Ready. A sync begun before the node carried out a truncation or a
 snapshot install must not be reported (the records it covered may have been
 replaced); `synced_to` never counts past the log's end.
 
+Leader transfer (Raft's TimeoutNow; `transfer_leader`). The master stops
+taking writes (`propose` answers "no leader", which clients retry
+elsewhere; `append_now` is off; reads go on), so that its log stops
+growing. The target catches up by the usual pushes and pulls; once its
+match_id and the commit position are both the master's last trans_id (so
+every write answered so far is committed, and the target holds it all),
+the master sends it `TimeoutNow` (again with every heartbeat, in case it
+was lost). The target, if it still follows that master in that epoch and
+its log reaches the position the message names, starts an election at
+once: no timeout, no pre-vote, and its VoteRequest says `transfer`, so that
+voters answer it although they hear from a live master (the master itself
+too: it steps down on the higher vote_id and votes). Its ballot is at least
+every other's in log position (nobody holds an entry it lacks), so it
+wins unless messages are lost. The old master reports the new master once
+a push of a later epoch reaches it. Bounds: the target must be caught up
+within an election timeout of the request ("node not caught up"), and a
+new master must be seen within an election timeout of the TimeoutNow
+("transfer timed out"); either way a master that still holds its role
+takes writes again. Safety does not depend on the transfer: it only starts
+an election early, with the usual ballots and one vote per vote_id.
+
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
 logs with the same (vote_id, trans_id) entry are identical up to it; every
@@ -112,7 +133,7 @@ from ...errors import InvariantError
 from ...state.entries import Entry, Noop, Record, entry_weight
 from ...state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ...state.store import SnapshotLoader, Store
-from ..base import Done, EngineStatus, JsonObject, LeaderInfo, Role
+from ..base import Done, EngineStatus, JsonObject, LeaderInfo, Role, TransferDone
 from ..messages import (
     Hello,
     Message,
@@ -121,13 +142,28 @@ from ..messages import (
     Push,
     PushReply,
     Snapshot,
+    TimeoutNow,
     VoteReply,
     VoteRequest,
 )
 
-__all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "OUTCOME_UNKNOWN"]
+__all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "OUTCOME_UNKNOWN", "TRANSFERRING",
+           "NOT_MASTER", "NO_SUCH_NODE", "NOT_CAUGHT_UP", "TRANSFER_TIMED_OUT",
+           "TRANSFER_IN_PROGRESS"]
 
 OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
+
+# Leader transfer. A write to a master that is handing its role over is
+# refused with the reason clients retry on, on another node, after a short
+# backoff (qserver.client's NO_LEADER): the same answer a node gives while
+# an election runs.
+TRANSFERRING = "no leader"
+# transfer_leader's failures (Engine.transfer_leader).
+NOT_MASTER = "not master"
+NO_SUCH_NODE = "no such node"
+NOT_CAUGHT_UP = "node not caught up"
+TRANSFER_TIMED_OUT = "transfer timed out"
+TRANSFER_IN_PROGRESS = "transfer in progress"  # to another node than the one asked
 
 # The most records one Push may carry, whatever the sync_rate budget: keeps
 # one message (and one event-loop turn on both ends) small.
@@ -222,6 +258,20 @@ class _Peer:
         self.read_acked = 0  # master: highest read_round it echoed in this epoch
 
 
+class _Transfer:
+    """A leader transfer under way (see "Leader transfer" in the module
+    docstring)."""
+
+    __slots__ = ("target", "vote_id", "due_ms", "sent", "dones")
+
+    def __init__(self, target: int, vote_id: int, due_ms: int, done: TransferDone) -> None:
+        self.target = target  # the node the role goes to
+        self.vote_id = vote_id  # our epoch when it began: a master of a later one ends it
+        self.due_ms = due_ms  # catch-up, then hand-over, must be done by then
+        self.sent = False  # TimeoutNow sent: the target was caught up
+        self.dones = [done]  # told how it ended (one request per asker)
+
+
 class NativeCore:
     """One node's replication state machine (see the module docstring)."""
 
@@ -294,6 +344,9 @@ class NativeCore:
         # master: (trans_id, vote_id at it, round, done) of waiting reads, in
         # the order asked (so trans_id and round never decrease along it)
         self.reads: deque[tuple[int, int | None, int, Done]] = deque()
+        # A leader transfer this node began as master, until it ends (it
+        # may outlive the role: it ends once a later master is seen)
+        self.transfer: _Transfer | None = None
         self.ready = Ready()
 
     # -- queries -----------------------------------------------------------
@@ -301,6 +354,26 @@ class NativeCore:
     @property
     def is_master(self) -> bool:
         return self.role is Role.MASTER
+
+    @property
+    def transferring(self) -> bool:
+        """A master handing its role over: it takes no writes."""
+        return self.transfer is not None and self.role is Role.MASTER
+
+    def transfer_target(self, now_ms: int) -> int | None:
+        """The most up-to-date slave that answered within an election
+        timeout (highest match_id, then lowest node_id), on a master; None
+        elsewhere or when there is none. O(peers)."""
+        if self.role is not Role.MASTER:
+            return None
+        horizon = now_ms - self.timing.election_ms
+        best: tuple[int, int] | None = None
+        for p in self.peers.values():
+            if p.acked_ms >= horizon and p.heard_ms >= horizon:
+                key = (p.match_id, -p.node_id)
+                if best is None or key > best:
+                    best = key
+        return None if best is None else -best[1]
 
     def leader(self) -> LeaderInfo | None:
         if self.role is Role.MASTER:
@@ -344,6 +417,12 @@ class NativeCore:
 
     def next_deadline(self) -> int:
         """The time at which `tick` has something to do."""
+        due = self._next_deadline()
+        if self.transfer is not None:
+            due = min(due, self.transfer.due_ms)
+        return due
+
+    def _next_deadline(self) -> int:
         if self.role is Role.MASTER:
             due = self.heartbeat_due_ms
             if self.push_interval_ms and self.log.last_trans_id > self.pushed_upto:
@@ -361,6 +440,10 @@ class NativeCore:
         `now_ms` decides `own_sync` (whether the slaves keep up) and, with
         coalesced pushes, whether new records are pushed now."""
         if self.role is Role.MASTER:
+            if self.transfer is not None and not self.transfer.sent:
+                # here: whatever input made the target caught up (a reply,
+                # a commit, our own sync) is followed by a take_ready
+                self._maybe_hand_over(now_ms)
             unpushed = self.log.last_trans_id - self.pushed_upto
             if unpushed > 0 and (not self.push_interval_ms or now_ms >= self.push_due_ms
                                  or unpushed >= PUSH_AT_ONCE_RECORDS):
@@ -415,7 +498,10 @@ class NativeCore:
         """Append and apply `entry` (master only); `done` runs when it
         commits (quorum) or once persisted (async)."""
         if self.role is not Role.MASTER:
-            done(None, "not master")
+            done(None, NOT_MASTER)
+            return
+        if self.transfer is not None:
+            done(None, TRANSFERRING)  # at once, nothing appended: as for "not master"
             return
         record = self.log.append_entry(entry, self.vote_id)
         result = self._apply_speculative(record)
@@ -440,12 +526,12 @@ class NativeCore:
         fast path (ClusterEngine.commit_now): the same log and state as
         `propose` then `take_ready`, without the callback or the turn's
         wait."""
-        if (self.role is not Role.MASTER or self.deferred_sync
+        if (self.role is not Role.MASTER or self.deferred_sync or self.transfer is not None
                 or (self.peers and not self.async_mode)
                 or self.ready.records or self.ready.truncate_after is not None
                 or self.ready.snapshot is not None):
             raise InvariantError("append_now needs a master alone or in async mode, nothing "
-                                 "deferred and no log change pending in the Ready")
+                                 "deferred, no transfer and no log change pending in the Ready")
         record = self.log.append_entry(entry, self.vote_id)
         if self.peers:
             return record, self._apply_speculative(record)
@@ -494,6 +580,87 @@ class NativeCore:
             else:  # cannot happen on a master (it never truncates); be safe
                 answers.append(partial(done, None, OUTCOME_UNKNOWN))
 
+    def transfer_leader(self, node_id: int, done: TransferDone, now_ms: int) -> None:
+        """Input: hand the master role to `node_id` (see "Leader transfer"
+        in the module docstring). `done` runs from a Ready's answers:
+        done(new_master_id, None) once this node has seen a master of a
+        later epoch (normally `node_id`; another node if an election
+        intervened), done(self's id, None) at once for this node itself,
+        else done(None, reason): NOT_MASTER, NO_SUCH_NODE (not a peer),
+        NOT_CAUGHT_UP (not within an election timeout), TRANSFER_TIMED_OUT
+        (no new master seen within an election timeout of the TimeoutNow),
+        TRANSFER_IN_PROGRESS (to another node; a second request for the
+        same node joins the first). Until it ends, a master refuses writes
+        (TRANSFERRING)."""
+        answers = self.ready.answers
+        if self.role is not Role.MASTER:
+            answers.append(partial(done, None, NOT_MASTER))
+            return
+        if node_id == self.node_id:
+            answers.append(partial(done, self.node_id, None))
+            return
+        peer = self.peers.get(node_id)
+        if peer is None:
+            answers.append(partial(done, None, NO_SUCH_NODE))
+            return
+        t = self.transfer
+        if t is not None:
+            if t.target == node_id:
+                t.dones.append(done)
+            else:
+                answers.append(partial(done, None, TRANSFER_IN_PROGRESS))
+            return
+        self.transfer = _Transfer(node_id, self.vote_id, now_ms + self.timing.election_ms, done)
+        # Where we are, now: its answer (or pull) tells us how far it is.
+        self._send_push(peer, peer.sent_upto, ())
+
+    def _maybe_hand_over(self, now_ms: int) -> None:
+        """As a transferring master: once the target holds our whole log
+        and all of it is committed, send it TimeoutNow."""
+        t = self.transfer
+        if t is None or t.sent or self.role is not Role.MASTER:
+            return
+        last = self.log.last_trans_id
+        if self.peers[t.target].match_id < last or self.commit_id < last:
+            return
+        t.sent = True
+        t.due_ms = now_ms + self.timing.election_ms
+        self._send_timeout_now(t)
+
+    def _send_timeout_now(self, t: _Transfer) -> None:
+        vote, last = self.log.last_position()
+        self._send(t.target, TimeoutNow(vote_id=self.vote_id, node_id=self.node_id,
+                                        last_vote_id=vote, last_trans_id=last))
+
+    def _end_transfer(self, leader_id: int | None, reason: str | None) -> None:
+        t, self.transfer = self.transfer, None
+        if t is not None:
+            for done in t.dones:
+                self.ready.answers.append(partial(done, leader_id, reason))
+
+    def _maybe_end_transfer(self, now_ms: int) -> None:
+        """A master of a later epoch seen (this node included): the
+        transfer is done. Its deadline passed: it failed, and a master
+        still holding its role takes writes again."""
+        t = self.transfer
+        if t is None:
+            return
+        if self.vote_id > t.vote_id and self.leader_id:
+            self._end_transfer(self.leader_id, None)
+        elif now_ms >= t.due_ms:
+            sent = t.sent or self.role is not Role.MASTER
+            self._end_transfer(None, TRANSFER_TIMED_OUT if sent else NOT_CAUGHT_UP)
+
+    def _handle_timeout_now(self, msg: TimeoutNow, now_ms: int) -> None:
+        """The master asks us to take over: elect ourselves at once, if it
+        is our master in our epoch and we hold its whole log (else it is
+        stale, or not meant for the log we have: the master times out)."""
+        if (self.role is not Role.SLAVE or msg.vote_id != self.vote_id
+                or self.leader_id != msg.node_id
+                or self.log.last_position() < (msg.last_vote_id, msg.last_trans_id)):
+            return
+        self._start_election(now_ms, transfer=True)
+
     def link_up(self, peer_id: int) -> None:
         """A link to `peer_id` came up: introduce ourselves."""
         if peer_id in self.peers:
@@ -502,6 +669,8 @@ class NativeCore:
 
     def tick(self, now_ms: int) -> None:
         """Advance timers to `now_ms`."""
+        if self.transfer is not None:
+            self._maybe_end_transfer(now_ms)
         if self.role is Role.MASTER:
             self._refill(now_ms)
             for peer in self.peers.values():
@@ -512,6 +681,8 @@ class NativeCore:
                 self.heartbeat_due_ms = now_ms + self.timing.heartbeat_ms
                 for peer in self.peers.values():
                     self._send_push(peer, peer.sent_upto, ())
+                if self.transfer is not None and self.transfer.sent:
+                    self._send_timeout_now(self.transfer)  # in case it was lost
             # Check-quorum: a master cut off from the majority steps down.
             if now_ms - self.became_master_ms >= self.timing.election_ms:
                 horizon = now_ms - self.timing.election_ms
@@ -546,7 +717,7 @@ class NativeCore:
         # `type(msg) is C` written out each time: mypy narrows `msg` on it
         # (not on a saved type(msg)), and it costs no more (measured).
         if type(msg) is VoteRequest:
-            self._handle_vote_request(peer, msg, now_ms)
+            self._handle_vote_request(peer, msg, now_ms)  # never shows a new master
             return
         if msg.vote_id > self.vote_id and not (type(msg) is VoteReply and msg.pre):
             # A newer epoch exists: whatever we were, we follow it now. (A
@@ -567,8 +738,12 @@ class NativeCore:
         elif type(msg) is Hello:
             peer.client = LeaderInfo(node_id=msg.node_id, host=msg.client_host,
                                      port=msg.client_port)
+        elif type(msg) is TimeoutNow:
+            self._handle_timeout_now(msg, now_ms)
         # Ping and Hello only refresh what we know of the peer; we learn the
         # master from its own push, never from hearsay.
+        if self.transfer is not None:
+            self._maybe_end_transfer(now_ms)
 
     # -- elections ---------------------------------------------------------
 
@@ -596,7 +771,7 @@ class NativeCore:
         for peer_id in self.peers:
             self._send(peer_id, req)
 
-    def _start_election(self, now_ms: int) -> None:
+    def _start_election(self, now_ms: int, *, transfer: bool = False) -> None:
         self.pre_voting = False
         self._set_vote(self.vote_id + 1, self.node_id)
         self.role = Role.CANDIDATE
@@ -608,7 +783,7 @@ class NativeCore:
             return
         vote, last = self.log.last_position()
         req = VoteRequest(vote_id=self.vote_id, node_id=self.node_id, last_vote_id=vote,
-                          last_trans_id=last, pre=False)
+                          last_trans_id=last, pre=False, transfer=transfer)
         for peer_id in self.peers:
             self._send(peer_id, req)
 
@@ -619,7 +794,9 @@ class NativeCore:
             self._send(peer.node_id, VoteReply(vote_id=msg.vote_id, node_id=self.node_id,
                                                granted=granted, pre=True))
             return
-        if msg.vote_id < self.vote_id or self._hears_master(now_ms):
+        # A transfer's election was asked for by the master: a live master
+        # is no reason to refuse it (the master itself steps down below).
+        if msg.vote_id < self.vote_id or (self._hears_master(now_ms) and not msg.transfer):
             self._send(peer.node_id, VoteReply(vote_id=self.vote_id, node_id=self.node_id,
                                                granted=False, pre=False))
             return

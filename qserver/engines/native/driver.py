@@ -49,6 +49,10 @@ the room is low or the disk full) turns the fast path off until its Ready
 is carried out, so the log file keeps trans_id order; so does losing the
 master role, at once (`_step_now`).
 
+Leader transfer (`transfer_leader`, the core's TimeoutNow): the fast path
+is off from the request until the transfer ends (the core refuses every
+write meanwhile), and the core's timer covers the transfer's deadline.
+
 Forwarding (`engines.forwarding`): a slave relays a client request to the
 master over the internal link; if the master is unknown or unreachable the
 client hears "no leader" at once.
@@ -80,6 +84,7 @@ from ..base import (
     Role,
     RoleHandler,
     Session,
+    TransferDone,
 )
 from ..forwarding import Forwarder
 from ..messages import (
@@ -270,6 +275,16 @@ class ClusterEngine:
     def read_index(self, done: Done) -> None:
         self.core.read_index(done)
         self._schedule_flush()
+
+    def transfer_leader(self, node_id: int, done: TransferDone) -> None:
+        """Hand the master role to `node_id` (Engine.transfer_leader; the
+        core's "Leader transfer"). `done` runs from a flush."""
+        self.commits_at_once = False  # now: the core refuses writes until it ends
+        self.core.transfer_leader(node_id, done, now_ms())
+        self._schedule_flush()
+
+    def transfer_target(self) -> int | None:
+        return self.core.transfer_target(now_ms())
 
     def commit_now(self, entry: Entry) -> object:
         """The fast path (only while `commits_at_once`; see "Answering at
@@ -577,7 +592,7 @@ class ClusterEngine:
         the general path would, `_reserve`); off otherwise, and until the
         next flush once a write takes the general path (propose)."""
         storage = self.storage
-        on = (self._fast_ok and self.core.is_master
+        on = (self._fast_ok and self.core.is_master and not self.core.transferring
               and not self._disk_full and not self._failed and not self._closing
               and not self.core.ready.records)
         if on and storage is not None and storage.room < self._reserved + self._fast_room:

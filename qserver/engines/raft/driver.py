@@ -27,6 +27,19 @@ secret>` with a fixed label; with no secret configured it is derived from
 the node list, which every node knows, so it protects nothing: a loud
 warning says so.
 
+Leader transfer (`transfer_leader`): pysyncobj 0.3.17's
+`transferLeadership` sends Raft's TimeoutNow, but only to a follower whose
+match index is the leader's last index at that instant (else it refuses),
+it does not stop the leader from appending meanwhile, and its callback says
+only that the message was sent. So this engine refuses writes itself while
+a transfer is under way ("no leader"; reads in quorum mode too, as their
+marker is an entry), and pysyncobj's own thread (`_QueueSync._onTick`,
+which owns its state) waits, tick by tick, for the target to be caught up
+and everything committed, calls `transferLeadership` then, and watches for
+a leader of a later term; the outcome goes to the loop. Bounds as in the
+native engine: caught up within RAFT_TRANSFER_S, a new leader within
+RAFT_TRANSFER_S of the TimeoutNow. What it cannot do is in the README.
+
 Durability (pysyncobj 0.3.17 writes its journal through mmap and its term
 and vote with write+rename, and fsyncs neither): with `<storage dir>` the
 journal and the snapshot live in that directory (`raft.journal`,
@@ -79,6 +92,7 @@ from ..base import (
     Respond,
     Role,
     RoleHandler,
+    TransferDone,
 )
 from ..forwarding import Forwarder
 from ..messages import (
@@ -118,6 +132,11 @@ _FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
 _RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=0.1,
                     leaderFallbackTimeout=1.2, connectionTimeout=3.5,
                     connectionRetryTime=0.5)
+
+# Leader transfer: the target must be caught up within this long, and a new
+# leader seen within this long of the TimeoutNow (pysyncobj's shortest
+# election timeout, as the native engine uses its election_ms).
+RAFT_TRANSFER_S = 0.6
 
 
 def raft_password(config: Config) -> str:
@@ -276,9 +295,51 @@ class _QueueSync(RaftAppends):
         # stops the node (node.Node.fatal).
         try:
             super()._onTick(timeToWait)
+            if self.transfer_request is not None:
+                self._transfer_tick()
         except Exception as exc:
             self._engine._from_thread(_raised_in_pysyncobj_thread, exc)
             raise
+
+    # Leader transfer, on pysyncobj's thread. The loop sets
+    # `transfer_request` (one assignment) to the target's raft address; from
+    # then on only this thread touches the transfer's state.
+    transfer_request: str | None = None
+    _transfer: list | None = None  # [target Node, start term, deadline, sent]
+
+    def _transfer_tick(self) -> None:
+        now = time.monotonic()
+        t = self._transfer
+        if t is None:
+            addr = self.transfer_request
+            node = next((n for n in self._SyncObj__otherNodes if n.id == addr), None)
+            if node is None or self._SyncObj__raftState != _LEADER:
+                self._transfer_ended(None, "not master")
+                return
+            t = self._transfer = [node, self.raftCurrentTerm, now + RAFT_TRANSFER_S, False]
+        node, term, deadline, sent = t
+        leader = self._SyncObj__raftLeader
+        if self.raftCurrentTerm > term and leader is not None:
+            self._transfer_ended(leader.id, None)  # a leader of a later term
+            return
+        if not sent and self._SyncObj__raftState == _LEADER:
+            last = self._SyncObj__getCurrentLogIndex()
+            if (self._SyncObj__raftMatchIndex.get(node, 0) == last
+                    and self.raftCommitIndex == last):
+                # pysyncobj's own checks pass (it is leader, the target is
+                # caught up), on its thread: it sends TimeoutNow
+                self.transferLeadership(node)
+                t[2], t[3] = now + RAFT_TRANSFER_S, True
+                return
+        if now >= deadline:
+            caught_up = sent or self._SyncObj__raftState != _LEADER
+            self._transfer_ended(None, "transfer timed out" if caught_up
+                                 else "node not caught up")
+
+    def _transfer_ended(self, leader_addr: str | None, reason: str | None) -> None:
+        self._transfer = None
+        self.transfer_request = None
+        self._engine._from_thread(self._engine._transfer_ended, leader_addr, reason)
 
     @replicated
     def _commit(self, payload: bytes) -> None:
@@ -345,6 +406,8 @@ class RaftEngine:
         self._leader_term: int | None = None  # term in which pysyncobj made us leader
         self._closing = False
         self._reads: list[Done] = []  # reads of this turn, waiting for their marker
+        # Those told how the leader transfer under way ends (its target)
+        self._transfer: tuple[int, list[TransferDone]] | None = None
         self._last_role: Role | None = None
         # A plain attribute, not a property: the service reads it per request.
         self.is_master = False
@@ -398,6 +461,9 @@ class RaftEngine:
         return None  # pysyncobj's journal: nothing measured to show
 
     def propose(self, entry: Entry, done: Done) -> None:
+        if self._transfer is not None and self.is_master:
+            done(None, "no leader")  # handing over: nothing appended (read markers neither)
+            return
         payload = self.machine.propose(entry, done)
         if payload is not None:
             self._submit(payload)
@@ -430,6 +496,54 @@ class RaftEngine:
 
     def commit_now(self, entry: Entry) -> object:
         raise InvariantError("commit_now on an engine that does not commit at once")
+
+    def transfer_leader(self, node_id: int, done: TransferDone) -> None:
+        """Engine.transfer_leader, by pysyncobj's TimeoutNow (see "Leader
+        transfer" in the module docstring). `done` runs on the loop."""
+        if not self.is_master or self.sync is None:
+            done(None, "not master")
+            return
+        if node_id == self.config.node_id:
+            done(node_id, None)
+            return
+        addr = self._raft_addr.get(node_id)
+        if addr is None:
+            done(None, "no such node")
+            return
+        if self._transfer is not None:
+            if self._transfer[0] == node_id:
+                self._transfer[1].append(done)
+            else:
+                done(None, "transfer in progress")
+            return
+        self._transfer = (node_id, [done])
+        self.sync.transfer_request = addr  # pysyncobj's thread takes it at its next tick
+
+    def _transfer_ended(self, leader_addr: str | None, reason: str | None) -> None:
+        transfer, self._transfer = self._transfer, None
+        if transfer is None:
+            return
+        leader = None if leader_addr is None else self._node_by_addr.get(leader_addr)
+        if reason is None and leader is None:
+            reason = "transfer timed out"  # a leader we do not know: cannot happen
+        for done in transfer[1]:
+            done(leader, reason)
+
+    def transfer_target(self) -> int | None:
+        """The connected follower with the highest match index (pysyncobj's
+        status), on the master."""
+        if not self.is_master or self.sync is None:
+            return None
+        status = self._thread_call(self.sync.getStatus) or {}
+        best: tuple[int, int] | None = None
+        for node_id, addr in self._raft_addr.items():
+            if (node_id == self.config.node_id
+                    or status.get("partner_node_status_server_" + addr) != 2):
+                continue
+            key = (status.get("match_idx_server_" + addr, 0), -node_id)
+            if best is None or key > best:
+                best = key
+        return None if best is None else -best[1]
 
     def forward(self, request: dict, respond: Respond,
                 timeout_s: float | None = None) -> Cancel | None:
