@@ -125,6 +125,14 @@ queue neither paused in nor full, a delivery came from one not paused out;
 a dedup id is never stored twice within its window, whichever master the
 resend reached, after any number of failovers (details: `Workload`).
 
+Leader transfers (`Network.transfer`, NativeCore.transfer_leader): a
+master handing its role over refuses every write at once with "no
+leader", appending nothing (NativeCore.propose), as the service sees it:
+the Workload's clients retry elsewhere, a consume's dead-letter move and
+the expiry tick stop and try again later; `commits_at_once` is off
+meanwhile. `Transfers` asks for them at random amid the faults (one
+schedule in two) and checks each answer.
+
 `run_schedule(seed, ...)` runs one random schedule of faults and client
 operations, lets the cluster settle, checks that no final delivery whose
 lease ran out is left in flight, and checks everything; any failure is an
@@ -149,7 +157,7 @@ from qserver.engines.native.core import NativeCore, Role, Timing
 from qserver.engines.native.driver import ASYNC_PUSH_INTERVAL_MS
 from qserver.engines.native.durability import BATCH_SYNC_MS
 from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
-from qserver.service import EXPIRE_BATCH
+from qserver.service import EXPIRE_BATCH, EXPIRE_RETRY_MS
 from qserver.state.entries import (
     FINAL_EXPIRED,
     FINAL_MAX_DELIVERIES,
@@ -982,16 +990,26 @@ class Network:
         self._flush(i)
         self.observe((i,))
 
+    def transfer(self, i: int, target: int, results: list) -> None:
+        """Engine.transfer_leader on node i: results gets (new master, reason)
+        when it ends (ClusterEngine runs it from a flush, as here)."""
+        core = self.nodes[i].core
+        core.transfer_leader(target, lambda leader, reason: results.append((leader, reason)),
+                             self.now)
+        self._flush(i)
+        self.observe((i,))
+
     def commits_at_once(self, i: int) -> bool:
         """ClusterEngine.commits_at_once on node i in async mode: it is
-        master, does not defer its sync, and its Ready holds no log change
+        master, does not defer its sync, hands no role over (a leader
+        transfer), and its Ready holds no log change
         (a proposal's record, a truncation, a snapshot), so that the fast
         path's records follow every earlier one in the log file. (The
         driver also turns the fast path off while its disk is short of
         room; the sim's disk never is.)"""
         core = self.nodes[i].core
         if (core is None or not self.async_mode or core.role is not Role.MASTER
-                or core.deferred_sync):
+                or core.deferred_sync or core.transferring):
             return False
         ready = core.ready
         return not ready.records and ready.truncate_after is None and ready.snapshot is None
@@ -1960,7 +1978,9 @@ class Workload:
                 outcome = store.decide_consume(req.consume, now, core.vote_id)
                 if type(outcome) is not DeadLetter:
                     return outcome
-                self._propose_unanswered(core, outcome, "move")
+                refused = self._propose_unanswered(core, outcome, "move")
+                if refused is not None:
+                    return refused  # deciding again would give the same move
         if kind == "confirm":
             if (req.receipt is not None and req.queue not in store.virtual_queues
                     and not store.check_receipt(req.queue, req.msg_id, req.receipt)):
@@ -1974,10 +1994,16 @@ class Workload:
             return store.decide_clear(req.queue)
         return store.decide_configure(req.queue, req.settings)
 
-    def _propose_unanswered(self, core: NativeCore, entry, kind: str) -> None:
-        """Append an entry no client waits for (a dead-letter move)."""
-        core.propose(entry, _ignore)
+    def _propose_unanswered(self, core: NativeCore, entry, kind: str) -> str | None:
+        """Append an entry no client waits for (a dead-letter move); the
+        reason if the core refused it at once (a master handing its role
+        over), as Service._move sees it: then nothing changed."""
+        refused: list[str] = []
+        core.propose(entry, lambda _result, error: error is None or refused.append(error))
+        if refused:
+            return refused[0]
         self._note_decision(core, entry, kind)
+        return None
 
     def _note_decision(self, core: NativeCore, entry, kind: str,
                        req: _Request | None = None) -> None:
@@ -2016,6 +2042,16 @@ class Workload:
             self._client_error(req, number, timeout, "not master", elsewhere=True)
             return
         outcome, plan = self._decide(req, core)
+        if outcome == native.TRANSFERRING or (type(outcome) is not str and outcome is not None
+                                             and core.transferring):
+            # A master handing its role over refuses every write at once,
+            # appending nothing (NativeCore.propose): "no leader", which
+            # clients retry elsewhere.
+            self.answers["transferring"] += 1
+            self._client_error(req, number, timeout, native.TRANSFERRING, elsewhere=True)
+            net._flush(target)
+            net.observe((target,))
+            return
         refusal = None
         if type(outcome) is str:
             if outcome not in READ_REFUSALS:  # refused: a definite answer
@@ -2114,7 +2150,11 @@ class Workload:
             moves = store.decide_expired(net.now, 1)
             if not moves:
                 break
-            self._propose_unanswered(core, moves[0], "expire")
+            if self._propose_unanswered(core, moves[0], "expire") is not None:
+                # refused (a leader transfer): Service.tick tries again later
+                self.expiry_armed[i] = (net.now + EXPIRE_RETRY_MS, net.nodes[i].incarnation)
+                net.schedule(EXPIRE_RETRY_MS, partial(self._expire, i), i)
+                break
             self.answers["expired"] += 1
         self.expiry_ran[i] = (net.now, net.nodes[i].incarnation, core.vote_id)
         net._flush(i)
@@ -2883,6 +2923,87 @@ class Workload:
                               f"the state at trans_id {t}, where a message was ready", 7)
 
 
+# -- leader transfers ---------------------------------------------------------------
+
+
+class Transfers:
+    """Leader transfers asked of the cluster (Engine.transfer_leader on
+    the native core), and what each was told. Mostly to a random other
+    node, now and then to the master itself or to a node that is not a
+    member, sometimes to a second node while one is under way; asked of
+    the master, or now and then of a slave. Checks, as each ends: it ends
+    once (a crashed node's end with it); an answer that names a new master
+    names a node that was master in a later vote_id than the one the
+    transfer began in (or the asker itself, at once, for itself); the
+    refusals are the ones the asked node's role and the target call for.
+    `final_check`: every transfer asked of a node still running has ended
+    (each has a deadline of two election timeouts at most)."""
+
+    def __init__(self, net: Network, rng: random.Random) -> None:
+        self.net = net
+        self.rng = rng
+        # (asker, its incarnation, target, vote_id then, was master, results)
+        self.asked: list[tuple[int, int, int, int, bool, list]] = []
+        self.outcomes = collections.Counter()
+
+    def random_transfer(self) -> None:
+        net, rng = self.net, self.rng
+        live = [i for i in net.ids if net.alive(i) and i not in net.paused]
+        if not live:
+            return
+        m = net.master()
+        asker = m if m in live and rng.random() < 0.85 else rng.choice(live)
+        r = rng.random()
+        if r < 0.06:
+            target = asker
+        elif r < 0.1:
+            target = max(net.ids) + 1  # not a member
+        else:
+            target = rng.choice([i for i in net.ids if i != asker])
+        core = net.core(asker)
+        results: list = []
+        self.asked.append((asker, net.nodes[asker].incarnation, target, core.vote_id,
+                           core.role is Role.MASTER, results))
+        net.transfer(asker, target, results)
+
+    def _fail(self, text: str) -> None:
+        raise SimFailure(f"seed {self.net.seed}: t={self.net.now - START_MS}ms: transfer: {text}")
+
+    def final_check(self) -> None:
+        net = self.net
+        for asker, incarnation, target, vote_id, was_master, results in self.asked:
+            if net.nodes[asker].incarnation != incarnation:
+                if results:
+                    self.outcomes["ended_then_crashed"] += 1
+                continue  # crashed since: its answer went with it
+            if len(results) != 1:
+                self._fail(f"asked of node {asker} for {target} in vote {vote_id}: "
+                           f"{len(results)} answers {results}")
+            leader, reason = results[0]
+            self.outcomes[reason or ("to_target" if leader == target else "to_other")] += 1
+            if not was_master:
+                if reason != native.NOT_MASTER:
+                    self._fail(f"asked of slave {asker}: {results[0]}")
+                continue
+            if target == asker:
+                if results[0] != (asker, None):
+                    self._fail(f"to itself, master {asker}: {results[0]}")
+                continue
+            if target not in net.ids:
+                if reason != native.NO_SUCH_NODE:
+                    self._fail(f"to non-member {target}: {results[0]}")
+                continue
+            if reason is None:
+                if leader is None or not any(
+                        leader in masters for v, masters in net.masters_by_vote.items()
+                        if v > vote_id):
+                    self._fail(f"node {asker} (vote {vote_id}) told {leader} took over, which "
+                               "was never master in a later vote")
+            elif reason not in (native.NOT_CAUGHT_UP, native.TRANSFER_TIMED_OUT,
+                                native.TRANSFER_IN_PROGRESS):
+                self._fail(f"node {asker} to {target}: {results[0]}")
+
+
 # -- random schedules -------------------------------------------------------------
 
 
@@ -2905,7 +3026,7 @@ FAULT_MIXES = ("mixed", "master_partitions")
 
 def run_schedule(seed: int, *, n: int = 3, async_mode: bool = False, production: bool | None = None,
                  faults: str = "mixed", chaos_ms: int | None = None,
-                 settle_ms: int = 30_000) -> ScheduleStats:
+                 settle_ms: int = 30_000, transfers: bool | None = None) -> ScheduleStats:
     """One seeded schedule: random faults and client operations for
     `chaos_ms` of virtual time, then heal everything, restart every node,
     and require one master that everyone follows with identical state.
@@ -2913,22 +3034,32 @@ def run_schedule(seed: int, *, n: int = 3, async_mode: bool = False, production:
     deferred sync in quorum mode); None draws it from the seed (three
     schedules in four). `faults`: "mixed" (every kind), or
     "master_partitions" (the master cut off again and again while clients
-    retry on it). Any failure raises AssertionError naming the seed."""
+    retry on it). `transfers`: leader transfers (Transfers) amid the
+    faults; None draws it from the seed (one schedule in two) without
+    touching the schedule's other draws, so a schedule without transfers
+    is the one the seed gave before transfers existed. Any failure raises
+    AssertionError naming the seed."""
     if faults not in FAULT_MIXES:
         raise ValueError(f"faults must be one of {FAULT_MIXES}")
     try:
         with compaction_slack(2):
-            return _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms)
+            return _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms,
+                                 transfers)
     except SimFailure as exc:
         raise SimFailure(f"{exc} [run_schedule({seed}, n={n}, async_mode={async_mode}, "
-                         f"faults={faults!r})]") from exc
+                         f"faults={faults!r}, transfers={transfers})]") from exc
     except Exception as exc:  # an InvariantError in the core, or a bug in the sim
         raise SimFailure(f"seed {seed} (n={n}, async={async_mode}, faults={faults}): "
                          f"{type(exc).__name__}: {exc}") from exc
 
 
-def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) -> ScheduleStats:
+def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms,
+                  transfers) -> ScheduleStats:
     rng = random.Random(f"schedule-{seed}-{n}-{async_mode}-{faults}")
+    # Leader transfers draw from their own stream (see run_schedule).
+    trng = random.Random(f"transfers-{seed}-{n}-{async_mode}-{faults}")
+    if transfers is None:
+        transfers = trng.random() < 0.5
     if production is None:
         production = rng.random() < 0.75
     log_size = rng.choice((100_000, 100_000, 40, 10, 4))
@@ -3036,8 +3167,12 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
         ]
     weights = [w for w, _ in faults_table]
     actions = [a for _, a in faults_table]
+    mover = Transfers(net, trng) if transfers else None
+    transfer_rate = trng.choice((0.05, 0.15, 0.3))
     while net.now < end:
         net.run_to(net.now + rng.randrange(5, 120))
+        if mover is not None and trng.random() < transfer_rate:
+            mover.random_transfer()
         if rng.random() >= fault_rate:
             for _ in range(rng.randrange(1, 6)):
                 work.random_op()
@@ -3073,10 +3208,14 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms) 
     net.checker.final_check()
     m = net.master()
     work.final_check(m)
+    if mover is not None:
+        mover.final_check()
     return ScheduleStats(seed=seed, n=n, async_mode=async_mode, production=production,
                          delivered=net.delivered, elections=len(net.masters_by_vote),
                          committed=len(net.checker.committed),
                          acked=sum(1 for p in work.produced.values() if p.acked_at is not None),
                          virtual_ms=net.now - START_MS,
                          counters=dict(net.stats, **{f"answers_{k}": v
-                                                     for k, v in work.answers.items()}))
+                                                     for k, v in work.answers.items()},
+                                       **({f"transfers_{k}": v for k, v in mover.outcomes.items()}
+                                          if mover is not None else {})))

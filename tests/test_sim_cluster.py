@@ -13,7 +13,11 @@ timeout, an "outcome unknown" or "no leader", on the same node or
 another; the master moves out final deliveries whose lease ran out) and
 random faults (message loss up to 50%, delays up to 400 ms that reorder
 messages, one-way link cuts, partitions, isolated masters, paused nodes,
-crashes and restarts, now and then of every node at once), then every
+crashes and restarts, now and then of every node at once; in one
+schedule in two, leader transfers amid them, asked of the master or a
+slave, to another node, the master itself or a stranger, whose answers
+sim.Transfers checks: writes refused meanwhile, one answer each, a new
+master named only if it was master in a later vote_id), then every
 fault healed and every node restarted: the cluster must converge on one
 master that every node follows with an identical log and store, and take a
 new write. Three schedules in four run the cluster adapter's configuration
