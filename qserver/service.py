@@ -184,6 +184,9 @@ class Service:
         # Set by the node: arm a timer that calls `tick` at this unix ms (an
         # earlier one than the timer armed wins; a late call is harmless).
         self.schedule: Callable[[int], None] | None = None
+        # Set by drain (action 108): this node takes no new client work
+        # (see `drain`); health says not ready while it is set.
+        self.draining = False
 
     @property
     def parked(self) -> int:
@@ -970,6 +973,40 @@ class Service:
         if storage is not None:
             info["storage"] = storage
         return info
+
+    def health(self) -> JsonObject:
+        """Whether clients should be sent to this node (action 109, /readyz):
+        `ready` when it knows a master, sees a working cluster (a master
+        hears from a majority, a slave from its master, within an election
+        timeout: EngineStatus.in_contact), has applied within
+        `config.max_ready_lag` entries of what the master has committed,
+        and is not draining; `reasons` words each condition that fails.
+        Also `role`, `leader_node_id` (0: none), `applied_id`, `commit_id`
+        (this node's), `master_commit_id` (the master's, as last heard),
+        `node_id`. Cost: O(peers) (the engine's status)."""
+        engine = self.engine
+        status = engine.status()
+        leader = engine.leader()
+        reasons: list[str] = []
+        if leader is None:
+            reasons.append("no master known")
+        elif not status.in_contact:
+            reasons.append("master cut off from the majority (heard from too few nodes within"
+                           " the election timeout)" if status.role is Role.MASTER else
+                           f"master {leader.node_id} not heard from within the election timeout")
+        committed = status.commit_id
+        if status.master_commit_id is not None and status.master_commit_id > committed:
+            committed = status.master_commit_id
+        behind = committed - status.applied_id
+        bound = self.config.max_ready_lag
+        if behind > bound:
+            reasons.append(f"applied {behind} entries behind the commit (bound {bound})")
+        if self.draining:
+            reasons.append("draining")
+        return {"ready": not reasons, "reasons": reasons, "role": status.role.value,
+                "leader_node_id": leader.node_id if leader is not None else 0,
+                "node_id": self.config.node_id, "applied_id": status.applied_id,
+                "commit_id": status.commit_id, "master_commit_id": committed}
 
     def _monitor(self, obj: JsonObject, req: MonitorRequest, now_ms: int) -> JsonObject:
         obj.update(self.node_info())

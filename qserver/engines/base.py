@@ -118,6 +118,17 @@ class EngineStatus:
     commit_id: int  # last trans_id known committed
     applied_id: int  # last trans_id applied to the store
     log_size: int  # records retained in memory
+    # What readiness needs (Service.health); an engine that cannot tell
+    # keeps the defaults. in_contact: a master heard from a majority (itself
+    # included) within an election timeout; a slave heard from its master
+    # within one. A master or slave cut off from the majority keeps its
+    # role and its master for a while (a stopped peer's link stays up), so
+    # the role alone does not say that this node sees a working cluster.
+    in_contact: bool = True
+    # The master's commit position as this node last heard it (a slave's
+    # commit_id stops at the end of its own log, which may be far behind);
+    # None: commit_id is the best known.
+    master_commit_id: int | None = None
 
 
 class Engine(Protocol):

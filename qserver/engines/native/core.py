@@ -308,6 +308,7 @@ class NativeCore:
         self.pre_voting = False  # collecting pre-votes, not yet a candidate
         self.master_heard_ms = -(10 ** 12)  # last time a live master spoke to us
         self.leader_last = 0  # the master's last trans_id, from its pushes
+        self.leader_commit = 0  # the master's commit_id, from its pushes
         self.became_master_ms = 0
         self.pushed_upto = log.last_trans_id  # master: last trans_id pushed to in-step slaves
         # Async mode may coalesce pushes (nobody waits for them): new records
@@ -381,10 +382,25 @@ class NativeCore:
         peer = self.peers.get(self.leader_id)
         return peer.client if peer is not None else None
 
-    def status(self) -> EngineStatus:
+    def status(self, now_ms: int | None = None) -> EngineStatus:
+        """What monitor and readiness report; `in_contact` (see `in_contact`)
+        only with `now_ms`, else True."""
+        master = self.role is Role.MASTER
         return EngineStatus(role=self.role, vote_id=self.vote_id,
                             trans_id=self.log.last_trans_id, commit_id=self.commit_id,
-                            applied_id=self.applied_id, log_size=len(self.log))
+                            applied_id=self.applied_id, log_size=len(self.log),
+                            in_contact=True if now_ms is None else self.in_contact(now_ms),
+                            master_commit_id=self.commit_id if master else self.leader_commit)
+
+    def in_contact(self, now_ms: int) -> bool:
+        """A master: a majority (us included) answered our pushes within an
+        election timeout (check-quorum's test, which it takes only once per
+        tick); anyone else: a live master spoke to us within one. O(peers)."""
+        if self.role is Role.MASTER:
+            horizon = now_ms - self.timing.election_ms
+            acked = 1 + sum(1 for p in self.peers.values() if p.acked_ms >= horizon)
+            return acked >= self.quorum
+        return self._hears_master(now_ms)
 
     def snapshot_point(self) -> tuple[int, int]:
         """(trans_id, vote_id) of the newest state a snapshot may hold: the
@@ -1098,6 +1114,7 @@ class NativeCore:
         self.master_heard_ms = now_ms
         self.election_due_ms = now_ms + self._election_timeout()
         self.leader_last = msg.last_trans_id
+        self.leader_commit = msg.commit_id
         log = self.log
         prev, records = msg.prev_trans_id, msg.records
         if prev < log.base_trans_id:

@@ -240,7 +240,7 @@ class ClusterEngine:
         return self.core.leader()
 
     def status(self) -> EngineStatus:
-        return self.core.status()
+        return self.core.status(now_ms())
 
     def slaves(self) -> list[dict] | None:
         connected = self.net.connected_ids() if self.net else set()
