@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .auth import Guard
 from .config import Config
 from .config import Engine as ConfigEngine
 from .engines import Engine, LeaderInfo, LocalEngine
@@ -27,8 +28,11 @@ from .server import ClientTcpProtocol, ClientUdpProtocol
 from .service import Service
 from .state.log import Log
 from .state.store import Store
+from .stats import RequestStats
+from .tls import server_context
 
 if TYPE_CHECKING:
+    from .http_server import HttpServer
     from .storage import DiskStorage
 
 __all__ = ["Node"]
@@ -83,6 +87,9 @@ class Node:
                                       log_size=config.log_size,
                                       epoch=time.time_ns() // 1_000_000)
         self.service = Service(config=config, store=self.store, engine=self.engine)
+        # <security>: the client tokens the protocols check every request
+        # against (server.py); None: the port is open, as queue_server's.
+        self.guard = Guard(config.client_tokens) if config.auth_required else None
         handle = self.service.handle
         self.engine.handle_forwarded = lambda obj, t, respond, session: handle(
             obj, t, respond, forwarded=True, session=session)
@@ -113,6 +120,11 @@ class Node:
         # owes any (connection_idle); None otherwise.
         self._drained: asyncio.Event | None = None
         self._gc_timer: asyncio.TimerHandle | None = None
+        # The client answers and their latency, by action and code: the
+        # client protocols count, the metrics read (stats.py, metrics.py).
+        self.request_stats = RequestStats()
+        # <http>: metrics and probes (http_server.py); None without it.
+        self.http: HttpServer | None = None
 
     def _recover(self, config: Config, directory: str) -> tuple[int, int]:
         """Open the data directory and load the newest valid snapshot and the
@@ -146,20 +158,35 @@ class Node:
         return host, port
 
     async def start(self) -> None:
-        """Bind the client port (TCP and UDP). Raises OSError if it is taken."""
+        """Bind the client port (TCP, with TLS if configured, and UDP unless
+        TLS turned it off). Raises OSError if it is taken, ConfigError if a
+        TLS file is bad (tls.server_context)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
+        ssl_context = server_context(cfg)  # before binding anything: it may refuse
         self._previous_handler = loop.get_exception_handler()
         loop.set_exception_handler(self._on_loop_exception)
         self._tcp = await loop.create_server(lambda: ClientTcpProtocol(self), cfg.host, cfg.port,
-                                             reuse_address=True, backlog=1024)
+                                             reuse_address=True, backlog=1024, ssl=ssl_context)
         host, port = self.address
-        try:
-            self._udp, _ = await loop.create_datagram_endpoint(lambda: ClientUdpProtocol(self),
-                                                               local_addr=(host, port))
-        except OSError:
-            self._tcp.close()
-            raise
+        # UDP is off when TLS is on (Config.udp), unless <tls udp="1">: a
+        # datagram would carry in the clear what TLS protects on TCP (tokens
+        # and messages), and the standard library has no DTLS.
+        if cfg.udp:
+            try:
+                self._udp, _ = await loop.create_datagram_endpoint(
+                    lambda: ClientUdpProtocol(self), local_addr=(host, port))
+            except OSError:
+                self._tcp.close()
+                raise
+        if cfg.http_port is not None:
+            try:
+                await self._start_http(cfg.http_host, cfg.http_port)
+            except OSError:
+                self._tcp.close()
+                if self._udp is not None:
+                    self._udp.close()
+                raise
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()  # what start-up allocated lives as long as the process
         self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
@@ -167,11 +194,36 @@ class Node:
             await self.engine.start()
         except OSError:
             self._tcp.close()
-            self._udp.close()
+            if self._udp is not None:
+                self._udp.close()
+            if self.http is not None:
+                self.http.close()
             raise
-        log.info("qserver node %d serving on %s:%d (tcp+udp), %s", cfg.node_id, host, port,
+        protocols = ("tls" if ssl_context is not None else "tcp") + ("+udp" if self._udp else "")
+        if self.guard is not None:
+            protocols += f", {len(cfg.client_tokens)} client token(s)"
+        log.info("qserver node %d serving on %s:%d (%s), %s", cfg.node_id, host, port, protocols,
                  f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
                  else "single node")
+
+    async def _start_http(self, host: str, port: int) -> None:
+        """Bind the HTTP port: metrics and probes. Raises OSError."""
+        # Imported here: prometheus_client is loaded only by nodes with <http>.
+        from .http_server import HttpServer
+        from .metrics import NodeMetrics
+
+        metrics = NodeMetrics(self)
+        self.http = HttpServer(metrics=metrics.render, health=self.service.health)
+        await self.http.start(host, port)
+        bound_host, bound_port = self.http.address
+        log.info("qserver node %d: http on %s:%d (/metrics, /healthz, /readyz)",
+                 self.config.node_id, bound_host, bound_port)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """The bound HTTP address (the real port when configured as 0);
+        None without <http>."""
+        return self.http.address if self.http is not None else None
 
     def owe(self, protocol: ClientTcpProtocol | ClientUdpProtocol) -> None:
         """`protocol` holds answers back until the engine releases them (it
@@ -280,6 +332,8 @@ class Node:
             self._gc_timer.cancel()
         if self._tick_timer is not None:
             self._tick_timer.cancel()
+        if self.http is not None:
+            self.http.close()  # probes see the node go at once
         if not self.failed:
             self.service.release_parked()  # they owe answers: empty ones, now
         if self._tcp is not None:
@@ -304,6 +358,8 @@ class Node:
         await self.engine.close()
         if self._tcp is not None:
             await self._tcp.wait_closed()
+        if self.http is not None:
+            await self.http.wait_closed()
         loop.set_exception_handler(self._previous_handler)
         log.info("qserver node %d stopped", self.config.node_id)
 

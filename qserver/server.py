@@ -16,6 +16,12 @@ WRITE_BUFFER_HIGH bytes of answers the client has not taken (it sends and
 never reads); it is read again once both have drained. So what one client
 can pin is bounded: its pipelined requests, its unsent answers, and the
 kernel's socket buffers, whatever it sends.
+
+Authentication (auth.py): with `<security>` the node has a `Guard`, and
+every request is judged by it before the service sees it; a refusal, and
+the answer to an action 0, take the request's place in the answers' order
+(`_Answered`). Without `<security>` (`node.guard` is None) this costs one
+test per read or datagram, nothing per request.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .auth import AUTH_ACTION, Guard
+from .config import ClientToken
 from .engines.base import JsonObject, Respond, Session
 from .errors import BadRequest, ProtocolError
+from .stats import FAST_STRIDE
 from .wire.codec import (
     MAX_UDP_PAYLOAD,
     StreamDecoder,
@@ -63,6 +72,29 @@ WRITE_EVERY_ITEMS = 256
 
 
 _time_ns = time.time_ns
+# The general path's latency (stats.RequestStats) is measured from the read
+# to the answer: one clock read per read or datagram, one per answer. The
+# fast path reads no clock; its answers are counted by one list increment.
+_perf_ns = time.perf_counter_ns
+
+
+class _Answered:
+    """A request the guard answered itself (a refusal, an action 0): its
+    answer, in the request's place."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: JsonObject) -> None:
+        self.response = response
+
+
+def _log_refused(guard: Guard, reason: str, who: object, now_ms: int) -> None:
+    """A failed authentication, at WARNING, rate-limited (FailureLog); the
+    reason never holds the token."""
+    held = guard.failures.note(now_ms)
+    if held is not None:
+        more = f" ({held} more not logged)" if held else ""
+        log.warning("client %s refused: %s%s", who, reason, more)
 
 
 class ClientTcpProtocol(asyncio.Protocol):
@@ -88,9 +120,17 @@ class ClientTcpProtocol(asyncio.Protocol):
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
         self._engine = node.engine
+        # The answers' counts (metrics): the fast path's, and any other.
+        self._fast = node.request_stats.fast
+        self._count = node.request_stats.answered
         self.owed = False  # registered with the node to write answers held back
         # What this client has waiting (parked consumes): dropped when it goes.
         self.session = Session()
+        # <security>: the node's guard (None: every request is allowed), and
+        # the token this connection authenticated with by action 0.
+        self._guard: Guard | None = node.guard
+        self.token: ClientToken | None = None
+        self.peer: object = None  # the client's address, for the log
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -98,6 +138,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH,  # type: ignore[attr-defined]
                                           low=WRITE_BUFFER_LOW)
         self.node.connections.add(self)
+        if self._guard is not None:
+            self.peer = _address(transport.get_extra_info("peername"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.node.connections.discard(self)
@@ -111,6 +153,8 @@ class ClientTcpProtocol(asyncio.Protocol):
         if not items:
             return
         t = _time_ns() // 1_000_000  # now_ms() without the call (runs per read)
+        if self._guard is not None:
+            self._judge(items, t)
         if len(items) == 1 and not self.slots:
             # The common case: one request, nothing owed before it, answered
             # at once. Written straight away, no slot.
@@ -118,6 +162,7 @@ class ClientTcpProtocol(asyncio.Protocol):
             if type(item) is dict:
                 response = self._answer_now(item, t)
                 if response is not None:
+                    self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
                     if self._engine.holding:  # its record is not written yet
                         self.slots.append([encode_response(response)])
                         self._hold()
@@ -126,12 +171,35 @@ class ClientTcpProtocol(asyncio.Protocol):
                     return
         self._general(items, t)
 
+    def _judge(self, items: list, t: int) -> None:
+        """<security>: each request the guard refuses, and each action 0,
+        becomes its answer (`_Answered`) in place; the others lose their
+        `token` field and go on."""
+        guard = self._guard
+        assert guard is not None  # called only with one
+        for i, item in enumerate(items):
+            if type(item) is not dict:
+                continue  # framing errors, non-objects: the codec's or the service's error
+            action = item.get("action")
+            if type(action) is int and action == AUTH_ACTION:
+                self.token, reason = guard.authenticate(item)
+            else:
+                reason = guard.authorize(item, self.token)
+                if reason is None:
+                    continue
+            items[i] = _Answered(item)
+            if reason is not None:
+                _log_refused(guard, reason, self.peer, t)
+
     def _general(self, items: list, t: int) -> None:
         """Every item gets a slot in request order; answers go out in order,
         every WRITE_EVERY_ITEMS items and once this read's items are all
         handled."""
+        started = _perf_ns()  # the read's time, for the general path's latency
         answer_now = self._answer_now
         handle = self._handle
+        count = self._count
+        fast = self._fast
         slots = self.slots
         self.batching = True
         countdown = WRITE_EVERY_ITEMS
@@ -146,28 +214,38 @@ class ClientTcpProtocol(asyncio.Protocol):
             if kind is dict:
                 response = answer_now(item, t)
                 if response is not None:
+                    fast[response["action"] - FAST_STRIDE * response["code"]] += 1
                     slot[0] = encode_response(response)
                 else:
-                    handle(item, t, self._responder(slot), session=self.session)
+                    handle(item, t, self._responder(slot, started), session=self.session)
             elif kind is ProtocolError:
-                slot[0] = encode_response(error_response(item.reason))
+                response = error_response(item.reason)
+                count(response, None)
+                slot[0] = encode_response(response)
                 self.closing = True
                 break
             elif kind is BadRequest:
-                slot[0] = encode_response(error_response(item.reason))
+                response = error_response(item.reason)
+                count(response, None)
+                slot[0] = encode_response(response)
+            elif kind is _Answered:
+                count(item.response, None)
+                slot[0] = encode_response(item.response)
             else:  # any other JSON value: the service answers it (an error)
-                handle(item, t, self._responder(slot))
+                handle(item, t, self._responder(slot, started))
         self.batching = False
         self._flush()
         if len(slots) > MAX_PIPELINE and not self.too_many_slots:
             self.too_many_slots = True
             self._update_reading()
 
-    def _responder(self, slot: list[bytes | None]) -> Respond:
+    def _responder(self, slot: list[bytes | None], started: int) -> Respond:
         loop = self._loop
         assert loop is not None  # set in connection_made, before any data
+        count = self._count
 
         def respond(response: JsonObject) -> None:
+            count(response, _perf_ns() - started)
             slot[0] = encode_response(response)
             if not self.batching and not self.flush_pending:
                 # Answers of replicated writes arrive together (one commit
@@ -269,8 +347,12 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
         self._engine = node.engine
+        # The answers' counts (metrics): the fast path's, and any other.
+        self._fast = node.request_stats.fast
+        self._count = node.request_stats.answered
         # Answers held back while the engine holds (Engine.holding).
         self.held: list[tuple[bytes, Any]] = []
+        self._guard: Guard | None = node.guard  # <security>; None: all allowed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -281,14 +363,18 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
             self._send(error_response(obj.reason), addr)
             return
         t = _time_ns() // 1_000_000  # now_ms() without the call (runs per request)
+        if self._guard is not None and type(obj) is dict and not self._admit(obj, t, addr):
+            return
         response = self._answer_now(obj, t)
         if response is None:
-            self._handle(obj, t, lambda response: self._send(response, addr))
+            started = _perf_ns()  # for the general path's latency
+            self._handle(obj, t, lambda response: self._send(response, addr, started))
             return
         # _send, inline for the common case: an answer that fits.
         payload = encode_response(response)
         transport = self.transport
         if len(payload) <= MAX_UDP_PAYLOAD and transport is not None:
+            self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
             if self._engine.holding:
                 self._hold(payload, addr)
             else:
@@ -296,7 +382,28 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         else:
             self._send(response, addr)
 
-    def _send(self, response: dict, addr) -> None:
+    def _admit(self, obj: JsonObject, t: int, addr) -> bool:
+        """<security>: True if the request may go on (its `token` field
+        gone); else its answer is sent (a refusal, or an action 0's: over
+        UDP it only checks the token, there is no connection to keep it)."""
+        guard = self._guard
+        assert guard is not None  # called only with one
+        action = obj.get("action")
+        if type(action) is int and action == AUTH_ACTION:
+            _, reason = guard.authenticate(obj)
+        else:
+            reason = guard.authorize(obj, None)
+            if reason is None:
+                return True
+        if reason is not None:
+            _log_refused(guard, reason, _address(addr), t)
+        self._send(obj, addr)
+        return False
+
+    def _send(self, response: dict, addr, started: int | None = None) -> None:
+        """Send an answer. `started`: perf_counter_ns() when the general
+        path took its request; None: not timed (the codec's, the guard's
+        or a fast-path answer too large)."""
         if self.transport is None:
             return
         payload = encode_response(response)
@@ -305,6 +412,7 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
             response.pop("data", None)
             response.update(code=-1, reason="response too large for udp; use tcp")
             payload = encode_response(response)
+        self._count(response, None if started is None else _perf_ns() - started)
         if self._engine.holding:
             self._hold(payload, addr)
         else:
@@ -325,3 +433,10 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
 
     def error_received(self, exc: Exception) -> None:
         log.debug("udp error: %s", exc)
+
+
+def _address(addr: object) -> object:
+    """A peer address as "host:port" for the log (as given otherwise)."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return addr

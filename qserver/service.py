@@ -39,6 +39,20 @@ the node calls `tick(now_ms)` then. A parked consume whose client goes (its
 `Session` closes) is dropped unanswered; a master that loses its role
 answers every parked consume at once with the empty answer.
 
+Drain (action 108) takes a node out of client work, to stop or restart it
+without its clients noticing: `draining` is set, parked consumes are
+answered empty at once, and a master hands its role to its most up-to-date
+slave (Engine.transfer_leader), answering the drain once that is done.
+While draining, a client's request gets a redirect to the master (code -2),
+or "no leader" when there is none or this node still is it (a failed
+transfer): either way its client goes elsewhere. Still answered here: health
+(109), drain and its undo (108), leader (8), a leader transfer (20),
+node-local monitor and list (104, 107) and action 0: what an operator
+needs to watch and steer the drain. Requests other nodes forward are served
+as before (a draining node that is still master keeps the cluster
+writable). The fast path (`answer_now`) stands aside while draining.
+Health (109, `health`) says not ready while draining.
+
 Rules
 - Every outcome answers exactly once: a bad request (code -1 and the
   reason), a refused write ("queue full", "time error"), an empty consume
@@ -75,10 +89,13 @@ from .wire.requests import (
     MAX_QUEUE_NAME,
     MAX_TIME_S,
     RELATIVE_TIME_LIMIT_S,
+    AuthRequest,
     ClearRequest,
     ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
+    DrainRequest,
+    HealthRequest,
     LeaderRequest,
     ListRequest,
     MonitorRequest,
@@ -88,6 +105,7 @@ from .wire.requests import (
     ProduceRequest,
     ShowRequest,
     TouchRequest,
+    TransferLeaderRequest,
     parse_receipt,
     parse_request,
 )
@@ -102,6 +120,14 @@ EXPIRE_BATCH = 256
 # A move of an expired final lease that the engine refused (a full disk) is
 # tried again this much later.
 EXPIRE_RETRY_MS = 1000
+
+# What a draining node still answers itself (with 104 and 107, node-local
+# monitor and list; "Drain" in the module docstring): what an operator
+# needs to watch and steer a drain (health, drain and its undo, where the
+# master is, a leader transfer) and action 0. Everything else is client
+# work, sent elsewhere.
+_WHILE_DRAINING = (HealthRequest, DrainRequest, LeaderRequest, TransferLeaderRequest,
+                   AuthRequest)
 
 # The answers that say a receipt or an in-flight state did not match: they
 # append no entry, so they rest on committed state (read index).
@@ -184,6 +210,9 @@ class Service:
         # Set by the node: arm a timer that calls `tick` at this unix ms (an
         # earlier one than the timer armed wins; a late call is harmless).
         self.schedule: Callable[[int], None] | None = None
+        # Consumes answered empty by this service since it started (the
+        # forwarded ones a master answers included; metrics.py). Only grows.
+        self.consume_empty = 0
         # Set by drain (action 108): this node takes no new client work
         # (see `drain`); health says not ready while it is set.
         self.draining = False
@@ -226,7 +255,9 @@ class Service:
         field, a bool) takes the general path, which also words the
         reasons. Cost: that of the store's decide and apply.
         """
-        if not self.engine.commits_at_once or not isinstance(obj, dict):
+        # `draining` only once the engine commits at once: nothing more on
+        # a quorum cluster's path, one attribute on a lone node's.
+        if not self.engine.commits_at_once or self.draining or not isinstance(obj, dict):
             return None
         get = obj.get
         action = get("action")
@@ -298,6 +329,7 @@ class Service:
         pop("msg_id", None)
         pop("data", None)
         if consumed is None:
+            self.consume_empty += 1
             obj["code"] = 0
             return obj
         if isinstance(consumed, str):
@@ -355,8 +387,12 @@ class Service:
         if isinstance(req, ConsumeRequest) and req.wait_ms > self.max_wait_ms:
             respond(error_response("wait out of range", request))
             return
+        if self.draining and not forwarded and not isinstance(req, _WHILE_DRAINING) and not (
+                isinstance(req, (MonitorRequest, ListRequest)) and req.local):
+            self._redirect(request, respond, draining=True)
+            return
         if not self.engine.is_master and not (
-                isinstance(req, LeaderRequest)
+                isinstance(req, (LeaderRequest, AuthRequest, HealthRequest, DrainRequest))
                 or (isinstance(req, (MonitorRequest, ListRequest)) and req.local)):
             wait_ms = req.wait_ms if isinstance(req, ConsumeRequest) else 0
             self._not_master(request, respond, forwarded, session, wait_ms)
@@ -387,6 +423,21 @@ class Service:
             self._read(request, req.local, self._list, req, now_ms, respond)
         elif isinstance(req, LeaderRequest):
             respond(self._leader(request))
+        elif isinstance(req, HealthRequest):
+            request.update(self.health())
+            request["code"] = 0
+            respond(request)
+        elif isinstance(req, DrainRequest):
+            self._drain(request, req, respond)
+        elif isinstance(req, TransferLeaderRequest):
+            self._transfer_leader(request, req, respond)
+        elif isinstance(req, AuthRequest):
+            # No <security> here (with it the client protocols answer action
+            # 0 themselves): nothing to do, so that a client configured with
+            # a token works against an open node too. The token goes.
+            request.pop("token", None)
+            request["code"] = 0
+            respond(request)
         else:  # parse_request returns only the types above
             respond(error_response("invalid action", request))
 
@@ -415,16 +466,82 @@ class Service:
             elif session is not None:
                 key = session.add(cancel)
         else:
-            leader = self.engine.leader()
-            if leader is None:
-                respond(error_response("no leader", obj))
-                return
-            obj.pop("data", None)
-            # leader_* are ours; master_* are what queue_server's clients read.
-            obj.update(code=-2, reason="redirect", leader_node_id=leader.node_id,
-                       leader_host=leader.host, leader_port=leader.port,
-                       master_host=leader.host, master_port=leader.port)
+            self._redirect(obj, respond)
+
+    def _redirect(self, obj: JsonObject, respond: Respond, *, draining: bool = False) -> None:
+        """Send the client to the master (code -2), or "no leader" when no
+        other node is master (a draining node may be master itself: its
+        clients retry elsewhere, and the other nodes forward to it)."""
+        leader = self.engine.leader()
+        if leader is None or (draining and leader.node_id == self.config.node_id):
+            response = error_response("no leader", obj)
+            if draining:
+                response["draining"] = True
+            respond(response)
+            return
+        obj.pop("data", None)
+        # leader_* are ours; master_* are what queue_server's clients read.
+        obj.update(code=-2, reason="redirect", leader_node_id=leader.node_id,
+                   leader_host=leader.host, leader_port=leader.port,
+                   master_host=leader.host, master_port=leader.port)
+        if draining:
+            obj["draining"] = True
+        respond(obj)
+
+    # -- operations --------------------------------------------------------
+
+    def _drain(self, obj: JsonObject, req: DrainRequest, respond: Respond) -> None:
+        """Action 108: stop taking new client work (see "Drain" in the
+        module docstring), or take it again (`drain` false). A master hands
+        its role to its most up-to-date slave first and answers once that
+        is done: `leader_node_id` the new master; or code -1 with the reason
+        the transfer failed (the node stays master, and draining)."""
+        if not req.drain:
+            self.draining = False
+            obj.update(code=0, draining=False)
             respond(obj)
+            return
+        self.draining = True
+        self.release_parked()  # their clients come back to a node that takes them
+        engine = self.engine
+        if not engine.is_master or len(self.config.peers) <= 1:
+            # A slave, or a lone node (nobody to hand the role to): drained now.
+            leader = engine.leader()
+            obj.update(code=0, draining=True,
+                       leader_node_id=leader.node_id if leader is not None else 0)
+            respond(obj)
+            return
+        target = engine.transfer_target()
+        if target is None:
+            response = error_response("no slave to take over", obj)
+            response["draining"] = True
+            respond(response)
+            return
+
+        def done(leader_id: int | None, reason: str | None) -> None:
+            if reason is not None:
+                response = error_response(reason, obj)
+                response["draining"] = self.draining
+                respond(response)
+                return
+            obj.update(code=0, draining=self.draining, leader_node_id=leader_id)
+            respond(obj)
+
+        engine.transfer_leader(target, done)
+
+    def _transfer_leader(self, obj: JsonObject, req: TransferLeaderRequest,
+                         respond: Respond) -> None:
+        """Action 20 on the master: answer `leader_node_id` once the new
+        master has taken over, or the engine's reason it did not."""
+
+        def done(leader_id: int | None, reason: str | None) -> None:
+            if reason is not None:
+                respond(error_response(reason, obj))
+                return
+            obj.update(code=0, leader_node_id=leader_id)
+            respond(obj)
+
+        self.engine.transfer_leader(req.node_id, done)
 
     # -- writes ------------------------------------------------------------
 
@@ -623,6 +740,7 @@ class Service:
         """Nothing to deliver: code 0 without a message (`messages: []`
         with `count`), once the state it was read from is committed."""
         request = dict(obj) if read_index else obj  # what an error echoes
+        self.consume_empty += 1
         obj["code"] = 0
         if req.batch is not None:
             obj["messages"] = []

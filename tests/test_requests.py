@@ -14,10 +14,13 @@ from qserver.wire.requests import (
     MAX_QUEUE_NAME,
     MAX_QUEUES,
     MAX_TIME_S,
+    AuthRequest,
     ClearRequest,
     ConfigRequest,
     ConfirmRequest,
     ConsumeRequest,
+    DrainRequest,
+    HealthRequest,
     LeaderRequest,
     ListRequest,
     MonitorRequest,
@@ -27,6 +30,7 @@ from qserver.wire.requests import (
     ProduceRequest,
     ShowRequest,
     TouchRequest,
+    TransferLeaderRequest,
     parse_request,
 )
 
@@ -134,9 +138,15 @@ def test_non_integer_action(action):
     assert reason({"action": action, "queue": "q", "data": "x"}) == "action must be an integer"
 
 
-@pytest.mark.parametrize("action", [0, -1, 13, 99, 100, 101, 105, 106, 108, 2**70])
+@pytest.mark.parametrize("action", [-1, 13, 19, 21, 99, 100, 101, 105, 106, 110, 2**70])
 def test_unknown_action(action):
     assert reason({"action": action, "queue": "q"}) == "invalid action"
+
+
+def test_auth_action():
+    # Action 0 (protocol-v2): parsed on a node without <security>, which
+    # answers it code 0 (qserver.auth answers it on a node with one).
+    assert parse_request({"action": 0, "token": "x" * 16}) == AuthRequest()
 
 
 QUEUE_ACTIONS = [{"action": 1, "data": "x"}, {"action": 2}, {"action": 3, "msg_id": 1},
@@ -491,7 +501,8 @@ def test_fuzz_parse_request_returns_a_request_or_raises_bad_request(obj):
     assert type(req) in (ProduceRequest, ConsumeRequest, ConfirmRequest, MonitorRequest,
                          ListRequest, LeaderRequest, ClearRequest, NackRequest,
                          TouchRequest, ShowRequest, PeekRequest, ConfigRequest,
-                         ProduceBatchRequest)
+                         ProduceBatchRequest, AuthRequest, TransferLeaderRequest,
+                         DrainRequest, HealthRequest)
     if type(req) in (ConfirmRequest, NackRequest, TouchRequest, ShowRequest):
         assert type(req.msg_id) is int and req.msg_id >= 1
     if type(req) is ConsumeRequest:

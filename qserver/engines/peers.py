@@ -94,6 +94,7 @@ import logging
 import random
 import secrets
 import socket
+import ssl
 from collections.abc import Callable
 from typing import cast
 
@@ -503,6 +504,9 @@ class PeerNetwork:
         rng: the source of the redial jitter; by default a fresh Random.
         handshake_timeout_s: drop connections that have not authenticated
             within this many seconds.
+        tls: (accepting, dialing) SSL contexts: every link speaks TLS, and
+            the secret's handshake runs inside it (qserver.tls.peer_contexts);
+            None: plain TCP.
 
     Raises:
         ValueError: node_id is among the peers, or an id is not an int.
@@ -514,7 +518,8 @@ class PeerNetwork:
                  on_link: Callable[[int, bool], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
                  rng: random.Random | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None) -> None:
         for nid in (node_id, *peers):
             if type(nid) is not int or not 0 <= nid <= _NODE_ID_MAX:
                 raise ValueError(f"node id {nid!r} is not a non-negative 64-bit int")
@@ -529,6 +534,7 @@ class PeerNetwork:
         self._loop: asyncio.AbstractEventLoop = loop  # type: ignore[assignment]  # set by start()
         self._rng = rng if rng is not None else random.Random()
         self._handshake_timeout_s = handshake_timeout_s
+        self._tls = tls
         self._listener: socket.socket | None = None  # listening, between start and close
         self._accept_retry: asyncio.TimerHandle | None = None  # set while accepting is paused
         self._adopting: set[asyncio.Task] = set()  # accepted sockets becoming transports
@@ -650,8 +656,10 @@ class PeerNetwork:
     async def _adopt(self, conn: socket.socket) -> None:
         try:
             conn.setblocking(False)
-            await self._loop.connect_accepted_socket(lambda: _PeerLink(self, _Role.ACCEPTOR),
-                                                     sock=conn)
+            await self._loop.connect_accepted_socket(
+                lambda: _PeerLink(self, _Role.ACCEPTOR), sock=conn,
+                ssl=self._tls[0] if self._tls is not None else None,
+                ssl_handshake_timeout=self._handshake_timeout_s if self._tls else None)
         except OSError as exc:
             conn.close()
             log.debug("node %d: an accepted connection failed at once: %s", self.node_id, exc)
@@ -690,7 +698,11 @@ class PeerNetwork:
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
                     _, link = await loop.create_connection(
-                        lambda: _PeerLink(self, _Role.DIALER, peer_id), host, port)
+                        lambda: _PeerLink(self, _Role.DIALER, peer_id), host, port,
+                        ssl=self._tls[1] if self._tls is not None else None)
+            except ssl.SSLError as exc:  # <tls peers="1">: certificates that do not fit
+                log.warning("node %d: TLS with node %d at %s:%d failed: %s",
+                            self.node_id, peer_id, host, port, exc)
             except OSError as exc:  # refused, unreachable, timed out (TimeoutError is one)
                 log.debug("node %d: dialing node %d at %s:%d failed: %s",
                           self.node_id, peer_id, host, port, exc)

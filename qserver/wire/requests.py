@@ -44,6 +44,10 @@ __all__ = [
     "MonitorRequest",
     "ListRequest",
     "LeaderRequest",
+    "AuthRequest",
+    "TransferLeaderRequest",
+    "DrainRequest",
+    "HealthRequest",
     "Request",
     "parse_request",
     "MAX_QUEUE_NAME",
@@ -77,10 +81,13 @@ class Action(enum.IntEnum):
     TOUCH = 10
     SHOW = 11
     PEEK = 12
+    TRANSFER_LEADER = 20
     # queue_server's local actions (100 + n): answered by the receiving node
     # from its own state, never forwarded to the master.
     LOCAL_MONITOR = 104
     LOCAL_LIST = 107
+    DRAIN = 108
+    HEALTH = 109
 
 
 # Long enough for any real naming scheme ("task#station:order:event"), short
@@ -216,9 +223,33 @@ class LeaderRequest(NamedTuple):
     """Action 8: where the master is."""
 
 
+class AuthRequest(NamedTuple):
+    """Action 0 on a node without <security>: nothing to authenticate (a
+    node with <security> answers it before parsing, qserver.auth)."""
+
+
+class TransferLeaderRequest(NamedTuple):
+    """Action 20: the master hands its role to `node_id` (forwarded to the
+    master like any master request)."""
+
+    node_id: int  # a cluster member; the engine refuses one that is not
+
+
+class DrainRequest(NamedTuple):
+    """Action 108 (node-local): stop taking new client work, or (`drain`
+    false) take it again."""
+
+    drain: bool
+
+
+class HealthRequest(NamedTuple):
+    """Action 109 (node-local): is this node ready for clients, and why not."""
+
+
 Request = (ProduceRequest | ProduceBatchRequest | ConsumeRequest | ConfirmRequest | NackRequest
            | TouchRequest | ShowRequest | PeekRequest | ConfigRequest | ClearRequest
-           | MonitorRequest | ListRequest | LeaderRequest)
+           | MonitorRequest | ListRequest | LeaderRequest | AuthRequest | TransferLeaderRequest
+           | DrainRequest | HealthRequest)
 
 
 @overload
@@ -488,6 +519,29 @@ def _settings(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Node ids are small positive integers in <cluster>; anything over this is
+# not one, and is refused here rather than carried to the engine.
+MAX_NODE_ID = 2**31 - 1
+
+
+def _node_id(obj: dict[str, Any]) -> int:
+    value = obj.get("node_id")
+    if value is None:
+        raise BadRequest("missing field: node_id")
+    if type(value) is not int or not 0 < value <= MAX_NODE_ID:
+        raise BadRequest("node_id must be a positive integer (a node id of the cluster)")
+    return value
+
+
+def _drain(obj: dict[str, Any]) -> bool:
+    value = obj.get("drain")
+    if value is None:
+        return True
+    if type(value) is not bool:
+        raise BadRequest("drain must be true (drain) or false (undo a drain)")
+    return value
+
+
 def _pattern(obj: dict[str, Any]) -> str:
     pattern = obj.get("pattern")
     if pattern is None:
@@ -535,4 +589,12 @@ def parse_request(obj: object) -> Request:
         return LeaderRequest()
     if action == 6:
         return ClearRequest(_queue(obj))
+    if action == 0:
+        return AuthRequest()
+    if action == 109:
+        return HealthRequest()
+    if action == 108:
+        return DrainRequest(_drain(obj))
+    if action == 20:
+        return TransferLeaderRequest(_node_id(obj))
     raise BadRequest("invalid action")

@@ -72,7 +72,9 @@ from ...errors import InvariantError
 from ...state.entries import Entry, Record
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
+from ...stats import Histogram
 from ...storage import DiskStorage, StorageError, record_size_bound
+from ...tls import peer_contexts
 from ..base import (
     Cancel,
     Done,
@@ -168,7 +170,8 @@ class ClusterEngine:
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
                 peers={p.node_id: p.dial_address for p in peers},
-                secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+                secret=config.secret, on_message=self._on_message, on_link=self._on_link,
+                tls=peer_contexts(config))
             self.forwarder = Forwarder(node_id=config.node_id, net=self.net,
                                        vote_id=lambda: self.core.vote_id)
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
@@ -260,6 +263,12 @@ class ClusterEngine:
             return None
         return {"fsync": self.config.fsync.value, "records_written": storage.records_written,
                 "fsyncs": storage.syncs, "disk_full": self._disk_full}
+
+    def timings(self) -> dict[str, Histogram]:
+        out = {"snapshot_pause": self.snapshots.pause_seconds}
+        if self.durability is not None:
+            out["fsync"] = self.durability.fsync_seconds
+        return out
 
     def propose(self, entry: Entry, done: Done) -> None:
         # Until this turn's Ready is carried out, nothing commits at once:

@@ -82,6 +82,8 @@ from ...config import BATCH_SYNC_MS, Config, Fsync, Mode
 from ...errors import InvariantError
 from ...state.entries import Entry, Noop
 from ...state.store import Store
+from ...stats import FSYNC_BUCKETS_S, PAUSE_BUCKETS_S, Histogram
+from ...tls import peer_contexts
 from ..base import (
     Cancel,
     Done,
@@ -170,6 +172,9 @@ class DurableJournal(FileJournal):
         self.dir = os.path.dirname(os.path.abspath(path))
         self.dirty = False  # entries written and not yet fsynced
         self.syncs = 0  # fsyncs done (for tests)
+        # Each sync()'s time (metrics; observed on pysyncobj's thread, read
+        # on the loop's: a scrape may see a count without its sum, no more).
+        self.fsync_seconds = Histogram(FSYNC_BUCKETS_S)
         # A failed fsync: the kernel may have dropped the pages, so no later
         # fsync can vouch for them; every sync raises it again (and the
         # node stops: _QueueSync._onTick).
@@ -204,12 +209,14 @@ class DurableJournal(FileJournal):
         if self.failed is not None:
             raise self.failed
         if self.dirty:
+            started = time.perf_counter_ns()
             try:
                 self.flush()  # msync of the mapping
                 _fsync_path(self.path)  # and the file's size
             except OSError as exc:
                 self.failed = exc
                 raise
+            self.fsync_seconds.observe_ns(time.perf_counter_ns() - started)
             self.dirty = False
             self.syncs += 1
 
@@ -390,9 +397,12 @@ class RaftEngine:
             self.net = PeerNetwork(
                 node_id=config.node_id, listen=(me.host, me.port),
                 peers={p.node_id: p.dial_address for p in others},
-                secret=config.secret, on_message=self._on_message, on_link=self._on_link)
+                secret=config.secret, on_message=self._on_message, on_link=self._on_link,
+                tls=peer_contexts(config))
             self.forwarder = Forwarder(node_id=config.node_id, net=self.net, vote_id=self._term)
         self.sync: _QueueSync | None = None
+        # The loop's pause to take the store's state for pysyncobj's snapshot.
+        self.snapshot_pause_seconds = Histogram(PAUSE_BUCKETS_S)
         # Set by the node: how a request a slave forwarded is answered.
         self.handle_forwarded: ForwardedHandler | None = None
         # The raft engine cannot fail on its own in a way the node must hear
@@ -459,6 +469,13 @@ class RaftEngine:
 
     def storage_info(self) -> dict | None:
         return None  # pysyncobj's journal: nothing measured to show
+
+    def timings(self) -> dict[str, Histogram]:
+        out = {"snapshot_pause": self.snapshot_pause_seconds}
+        journal = self.sync._journal if self.sync is not None else None
+        if journal is not None:  # with storage
+            out["fsync"] = journal.fsync_seconds
+        return out
 
     def propose(self, entry: Entry, done: Done) -> None:
         if self._transfer is not None and self.is_master:
@@ -655,10 +672,12 @@ class RaftEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def take() -> None:
+            started = time.perf_counter_ns()
             try:
                 fut.set_result(self.machine.snapshot())
             except BaseException as exc:  # reported to pysyncobj's thread
                 fut.set_exception(exc)
+            self.snapshot_pause_seconds.observe_ns(time.perf_counter_ns() - started)
 
         if self._loop is None or self._closing:
             raise RuntimeError("node stopping")
