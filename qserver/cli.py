@@ -1,7 +1,7 @@
 """The `qserver` command line.
 
-    qserver run [--config FILE] [--log-level LEVEL]
-    qserver local-cluster [CONFIG ...]
+    qserver run [--config FILE] [--log-level LEVEL] [--log-format text|json]
+    qserver local-cluster [--log-format text|json] [CONFIG ...]
 
 Exit status: 0 after an orderly shutdown (SIGINT or SIGTERM), 2 for a bad
 configuration or usage, 1 when the node cannot start (the port is taken)
@@ -28,13 +28,21 @@ Client commands, against any node (`-s HOST:PORT`, repeatable; default
     qserver list [PATTERN]
     qserver leader
     qserver status
+    qserver health
+    qserver drain [--undo]
+    qserver transfer-leader NODE_ID
 
 Output is for people by default, JSON with `--json`. Exit status: 0 on
 success (an empty consume or peek included), 1 on a server or connection
 error (one line on stderr: a stale receipt, a message not in flight, a show
 of a message that is not there), 2 for bad usage. `status` asks every given
 node for its own view (action 104) and exits 1 if one of them does not
-answer.
+answer. `health` asks every given node whether it is ready for clients
+(action 109) and prints why not; it exits 0 when every one is ready, 1 when
+one is not or does not answer (a probe for sites without HTTP). `drain`
+takes the one node given out of client work (a master first hands its role
+to its most up-to-date slave) and `--undo` puts it back; `transfer-leader`
+hands the master role to NODE_ID.
 
 `consume` takes from the first listed queue that has a message. Without
 `--count` it prints as it always did (`msg_id N: DATA`; JSON: queue,
@@ -71,6 +79,7 @@ from typing import Any
 
 from .config import Config, load_config, log_level
 from .errors import ConfigError, InvalidArgument, QServerClientError, ServerError
+from .logformat import LOG_FORMATS, configure_logging
 from .storage import StorageError
 
 __all__ = ["main"]
@@ -85,16 +94,21 @@ def _parser() -> argparse.ArgumentParser:
                           "default: one node on 127.0.0.1:1111")
     run.add_argument("--log-level", metavar="LEVEL",
                      help="debug|info|warning|error or queue_server's 0-7; overrides the config")
+    run.add_argument("--log-format", choices=LOG_FORMATS, default=LOG_FORMATS[0],
+                     help="text (default) or json: one JSON object per line on stderr "
+                          "(ts, level, logger, msg, node_id, exc)")
     demo = sub.add_parser("local-cluster",
                           help="run several nodes as child processes (the local demo cluster)")
     demo.add_argument("configs", nargs="*", metavar="CONFIG",
                       default=["config/node1.xml", "config/node2.xml", "config/node3.xml"],
                       help="one config per node (default: config/node1.xml to node3.xml)")
+    demo.add_argument("--log-format", choices=LOG_FORMATS, default=LOG_FORMATS[0],
+                      help="the nodes' log format: text (default) or json")
     _add_client_commands(sub)
     return p
 
 
-def _local_cluster(paths: list[str]) -> int:
+def _local_cluster(paths: list[str], log_format: str = LOG_FORMATS[0]) -> int:
     """Start one `qserver run` per config, report the master, stop all on
     SIGINT/SIGTERM."""
     import json
@@ -112,7 +126,8 @@ def _local_cluster(paths: list[str]) -> int:
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))
-    children = [subprocess.Popen([sys.executable, "-m", "qserver", "run", "--config", p],
+    children = [subprocess.Popen([sys.executable, "-m", "qserver", "run", "--config", p,
+                                  "--log-format", log_format],
                                  stdout=subprocess.DEVNULL) for p in paths]
 
     def ask(cfg, request: dict) -> dict | None:
@@ -149,6 +164,9 @@ def _local_cluster(paths: list[str]) -> int:
               f"| nc -q1 {first.host} {first.port}")
         print(f"  echo '{{\"action\":2,\"queue\":\"demo\"}}' "
               f"| nc -q1 {configs[-1].host} {configs[-1].port}")
+        if first.http_port:  # <http>: metrics and probes
+            print(f"  curl http://{first.http_host}:{first.http_port}/metrics   "
+                  f"(and /healthz, /readyz; every node with <http>)")
         print("Ctrl-C stops all nodes.", flush=True)
         while not stop and all(c.poll() is None for c in children):
             time.sleep(0.2)
@@ -174,7 +192,8 @@ DEFAULT_SERVER = "127.0.0.1:1111"
 CLI_RETRY_FOR_S = 3.0
 
 CLIENT_COMMANDS = ("produce", "consume", "confirm", "nack", "touch", "show", "peek", "config",
-                   "pause", "resume", "clear", "monitor", "list", "leader", "status")
+                   "pause", "resume", "clear", "monitor", "list", "leader", "status",
+                   "health", "drain", "transfer-leader")
 
 # Lines of `produce QUEUE -` per batch produce: the protocol's most messages
 # per batch (one request each, sent one after the other, so that what was
@@ -192,6 +211,7 @@ def _add_client_commands(sub) -> None:
     common.add_argument("--retry-for", type=float, default=CLI_RETRY_FOR_S, metavar="S",
                         help=f"seconds to retry other nodes or wait for a master "
                              f"(default {CLI_RETRY_FOR_S:g})")
+    _add_security_options(common)
     produce = sub.add_parser("produce", parents=[common],
                              help="produce a message (DATA), or one per line of stdin (-)")
     produce.add_argument("queue")
@@ -277,6 +297,63 @@ def _add_client_commands(sub) -> None:
     sub.add_parser("leader", parents=[common], help="the master's node id and address")
     sub.add_parser("status", parents=[common],
                    help="every node's role, vote_id, trans_id, commit_id and lag")
+    sub.add_parser("health", parents=[common],
+                   help="whether each node is ready for clients, and why not "
+                        "(exit status 0 when all are)")
+    drain = sub.add_parser("drain", parents=[common],
+                           help="take the node out of client work (a master first hands "
+                                "its role over)")
+    drain.add_argument("--undo", action="store_true", help="take client work again")
+    transfer = sub.add_parser("transfer-leader", parents=[common],
+                              help="hand the master role to node NODE_ID")
+    transfer.add_argument("node_id", type=int, metavar="NODE_ID")
+
+
+def _add_security_options(parser: argparse.ArgumentParser) -> None:
+    """The client commands' token and TLS options (nodes with <security>
+    and <tls>)."""
+    group = parser.add_argument_group("authentication and TLS")
+    group.add_argument("--token", metavar="TOKEN",
+                       help=f"client token, sent as action 0 (other users can see a command "
+                            f"line: prefer --token-file or ${TOKEN_ENV})")
+    group.add_argument("--token-file", metavar="FILE",
+                       help="read the client token from FILE (its text, stripped)")
+    group.add_argument("--tls", action="store_true",
+                       help="speak TLS (implied by --tls-ca and --tls-cert)")
+    group.add_argument("--tls-ca", metavar="FILE",
+                       help="CA bundle (PEM) that signed the nodes' certificates "
+                            "(default: the system's)")
+    group.add_argument("--tls-cert", metavar="FILE",
+                       help="client certificate (PEM), for nodes that require one")
+    group.add_argument("--tls-key", metavar="FILE", help="the client certificate's key (PEM)")
+    group.add_argument("--tls-server-hostname", metavar="NAME",
+                       help="the name the nodes' certificates carry (default: the host dialed)")
+
+
+# The environment variable the client commands take the token from when
+# neither --token nor --token-file is given.
+TOKEN_ENV = "QSERVER_TOKEN"
+
+
+def _client_options(args) -> dict[str, Any]:
+    """The `Client` keyword arguments of the token and TLS options: for
+    every command that makes a client. Raises InvalidArgument."""
+    token = args.token
+    if args.token_file is not None:
+        if token is not None:
+            raise InvalidArgument("give --token or --token-file, not both")
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise InvalidArgument(f"--token-file {args.token_file}: {problem}") from None
+        if not token:
+            raise InvalidArgument(f"--token-file {args.token_file} is empty")
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    return {"token": token, "tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert,
+            "tls_key": args.tls_key, "tls_server_hostname": args.tls_server_hostname}
 
 
 class _Failure(Exception):
@@ -291,7 +368,12 @@ def _client_main(args) -> int:
         servers = parse_hosts(args.server or [DEFAULT_SERVER])
         if args.command == "status":
             return _status(servers, args)
-        with Client(servers, timeout=args.timeout, retry_for=args.retry_for) as client:
+        if args.command == "health":
+            return _health(servers, args)
+        if args.command == "drain" and len(set(servers)) > 1:
+            raise InvalidArgument("drain acts on one node: give -s once")
+        with Client(servers, timeout=args.timeout, retry_for=args.retry_for,
+                    **_client_options(args)) as client:
             result, text, *then = _COMMANDS[args.command](client, args)
             _emit(args, result, text)
             for step in then:  # what comes after the output (consume --ack)
@@ -549,11 +631,39 @@ def _cmd_leader(client, args) -> tuple[object, str]:
                     f"{leader['leader_host']}:{leader['leader_port']}")
 
 
+def _cmd_drain(client, args) -> tuple[object, str]:
+    from .client.core import server_error
+
+    response = client.request({"action": 108, "drain": not args.undo})
+    where = _describe_node(client)
+    if response.get("code") != 0:
+        error = server_error(response)
+        if response.get("draining"):  # drained, but the master role did not move
+            raise _Failure(f"{where} is draining, but is still master: {error.reason}")
+        raise error
+    if not response.get("draining"):
+        return response, f"{where} takes client work again"
+    leader = response.get("leader_node_id")
+    return response, (f"{where} is draining; master: node {leader}" if leader
+                      else f"{where} is draining; no master known")
+
+
+def _cmd_transfer_leader(client, args) -> tuple[object, str]:
+    leader = client.transfer_leader(args.node_id)
+    return {"leader_node_id": leader}, f"master: node {leader}"
+
+
+def _describe_node(client) -> str:
+    host, port = client.address
+    return f"{host}:{port}"
+
+
 _COMMANDS = {"produce": _cmd_produce, "consume": _cmd_consume, "confirm": _cmd_confirm,
              "nack": _cmd_nack, "touch": _cmd_touch, "show": _cmd_show, "peek": _cmd_peek,
              "config": _cmd_config, "pause": _cmd_pause, "resume": _cmd_resume,
              "clear": _cmd_clear, "monitor": _cmd_monitor, "list": _cmd_list,
-             "leader": _cmd_leader}
+             "leader": _cmd_leader, "drain": _cmd_drain,
+             "transfer-leader": _cmd_transfer_leader}
 
 
 def _table(headers: list[str], rows: list[list]) -> list[str]:
@@ -572,14 +682,25 @@ def _status(servers: list[tuple[str, int]], args) -> int:
     node, and the nodes it knows that were not asked (without an address:
     the master does not report slaves' client addresses)."""
     from .client import Client
+    from .client.core import server_error
+    from .errors import Unauthorized
+
+    options = _client_options(args)
 
     def ask(address: tuple[str, int], request: dict) -> dict | None:
         try:
-            with Client([address], timeout=args.timeout, retry_for=0) as c:
+            with Client([address], timeout=args.timeout, retry_for=0, **options) as c:
                 response = c.request(request)
+        except Unauthorized:
+            raise  # not "down": the command fails and says why
         except QServerClientError:
             return None
-        return response if response.get("code") == 0 else None
+        if response.get("code") == 0:
+            return response
+        error = server_error(response)
+        if isinstance(error, Unauthorized):  # a refused token: not "down" either
+            raise error
+        return None
 
     addresses = list(dict.fromkeys(servers))
     views = {address: ask(address, {"action": 104}) for address in addresses}
@@ -634,6 +755,35 @@ def _status(servers: list[tuple[str, int]], args) -> int:
     return 0
 
 
+HEALTH_FIELDS = ("role", "leader_node_id", "applied_id", "commit_id", "master_commit_id")
+
+
+def _health(servers: list[tuple[str, int]], args) -> int:
+    """Ask every given node whether it is ready for clients (109): 0 when
+    every one is, 1 when one is not or does not answer."""
+    from .client import Client
+
+    options = _client_options(args)
+    results: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for host, port in dict.fromkeys(servers):
+        address = f"{host}:{port}"
+        try:
+            with Client([(host, port)], timeout=args.timeout, retry_for=args.retry_for,
+                        **options) as c:
+                health = c.health()
+        except QServerClientError as exc:
+            health = {"ready": False, "reasons": [f"no answer: {type(exc).__name__}: {exc}"]}
+        health = {"address": address, **health}
+        results.append(health)
+        node = f"node {health['node_id']} ({address})" if "node_id" in health else address
+        lines.append(f"{node}: {'ready' if health.get('ready') else 'NOT READY'}")
+        lines.extend(f"  - {reason}" for reason in health.get("reasons") or ())
+        lines.extend(f"  {key:<16} {health[key]}" for key in HEALTH_FIELDS if key in health)
+    _emit(args, results[0] if len(results) == 1 else results, "\n".join(lines))
+    return 0 if all(r.get("ready") is True for r in results) else 1
+
+
 def _halt(status: int) -> None:
     """End the process at once (Node.fatal): no drain, no cleanup that
     could act on broken state. What the storage wrote is in the files
@@ -679,6 +829,9 @@ async def _run(config: Config) -> int:
     _raise_open_file_limit()
     try:
         node = Node(config)
+    except ConfigError as exc:  # a TLS file of the peer links that cannot be used
+        print(f"qserver: config error: {exc}", file=sys.stderr)
+        return 2
     except StorageError as exc:
         logging.getLogger("qserver").error("cannot recover from storage: %s", exc)
         print(f"qserver: storage error: {exc} (see README: Storage, to re-sync this node)",
@@ -686,6 +839,9 @@ async def _run(config: Config) -> int:
         return 1
     try:
         await node.start()
+    except ConfigError as exc:  # a TLS file that cannot be used (qserver.tls)
+        print(f"qserver: config error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         logging.getLogger("qserver").error("cannot listen: %s", exc.strerror or exc)
         return 1
@@ -704,8 +860,9 @@ async def _run(config: Config) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    print(f"qserver node {config.node_id} ready on {node.address[0]}:{node.address[1]}",
-          flush=True)
+    http = node.http_address  # <http port="0">: the port bound shows here
+    print(f"qserver node {config.node_id} ready on {node.address[0]}:{node.address[1]}"
+          + (f" (http {http[0]}:{http[1]})" if http is not None else ""), flush=True)
     await node.serve()
     return node.exit_status
 
@@ -715,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in CLIENT_COMMANDS:
         return _client_main(args)
     if args.command == "local-cluster":
-        return _local_cluster(args.configs)
+        return _local_cluster(args.configs, args.log_format)
     if args.command == "run":
         try:
             config = load_config(args.config) if args.config else Config.default()
@@ -729,9 +886,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"qserver: bad --log-level {args.log_level!r}", file=sys.stderr)
                 return 2
             level = asked
-        logging.basicConfig(level=level, stream=sys.stderr,
-                            format=f"%(asctime)s {config.log_prefix}[{config.node_id}] "
-                                   "%(levelname)s %(message)s")
+        configure_logging(args.log_format, level, node_id=config.node_id,
+                          prefix=config.log_prefix)
         try:
             import uvloop
             return uvloop.run(_run(config))

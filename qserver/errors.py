@@ -167,3 +167,17 @@ class QueuePaused(ServerError):
     real queues is): the server's reason "queue paused" (or "queue paused:
     NAME"). Nothing was produced; `resume` the queue to produce again.
     """
+
+
+# -- client authentication (protocol v2: action 0, <security>) -----------------
+
+__all__ += ["Unauthorized"]
+
+
+class Unauthorized(ServerError):
+    """Raised when a node refused a request, or the client's token at
+    connection (action 0), as unauthorized: no token, a token the node does
+    not know, or a token that does not allow the action (the server's
+    reason starts with "unauthorized" and says which). Nothing changed;
+    asking again with the same token will not help.
+    """

@@ -30,7 +30,9 @@ delivery comes back), `confirm` (by id, or with a `receipt`; returns
 whether a message was deleted), `nack`, `touch`, `show` (a message's state,
 or None), `peek`, `config`, `set_config`, `pause` and `resume` (a produce
 into a queue paused for producers raises `QueuePaused`), `clear` (returns
-how many messages it removed), `monitor`, `list`, `leader`, and `request`
+how many messages it removed), `monitor`, `list`, `leader`, `health` (is the
+node ready, and why not), `drain` (take the node out of client work;
+`undo=True` puts it back), `transfer_leader(node_id)`, and `request`
 for a raw request. Consumer helpers: `process(queue)` (one
 message, confirmed when the `with` block succeeds, left to the server's
 retry when it raises) and `messages(queue)` (an iterator of `Delivery`
@@ -62,6 +64,27 @@ default; halved while a node answers "wait out of range"); an empty answer
 that comes back early (a master that lost its role, a server without long
 polls) is followed by a new poll at once, then by pauses that double up to
 0.5 s, so that against an older server the helpers poll as before.
+
+Authentication and TLS
+----------------------
+    Client(hosts, token="...", tls=True, tls_ca="ca.pem")
+
+Against nodes with `<security>`, `token=` is sent as `{"action": 0,
+"token": ...}` first thing on every connection the client opens (ahead of
+the first requests, without waiting for its answer: no extra round trip); a node without
+`<security>` answers it code 0, so a client with a token works against an
+open node too. A refused token, or a token that does not allow the
+request's action, raises `Unauthorized` (a `ServerError`, never retried).
+`tls=True` wraps every connection in TLS 1.2 or later and checks the
+node's certificate: against `tls_ca` (a PEM bundle; default the system's
+CAs), for `tls_server_hostname` (default the host dialed); `tls_cert` and
+`tls_key` are the client's own certificate for nodes that require one
+(`<tls client_cert="required">`); `ssl_context=` replaces them all. A CA
+or a certificate given implies `tls=True`. A node whose certificate is not
+trusted fails at once with `ClientConnectionError` (the next node would
+say the same); other connection failures are retried as usual. The client
+speaks TCP only: a UDP request carries its `token` field itself
+(protocol-v2).
 
 Theory of operation
 -------------------
@@ -139,6 +162,7 @@ from ..errors import (
     QueuePaused,
     ServerError,
     StaleReceipt,
+    Unauthorized,
 )
 from .aio import AsyncClient, AsyncDelivery
 from .core import (
@@ -185,4 +209,5 @@ __all__ = [
     "StaleReceipt",
     "NotInFlight",
     "QueuePaused",
+    "Unauthorized",
 ]

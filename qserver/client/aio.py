@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import itertools
+import ssl
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from .core import (
     Address,
     BatchResult,
     Message,
+    Security,
     _batch_limits,
     _BrokenStream,
     _checked,
@@ -52,19 +54,23 @@ from .core import (
     _result_fields,
     _Router,
     _shown,
+    check_auth,
     clear_request,
     config_request,
     confirm_request,
     consume_request,
+    drain_request,
     nack_request,
     parse_hosts,
     pause_request,
     peek_request,
     produce_request,
     request_wait_s,
+    security,
     shorter_long_poll,
     show_request,
     touch_request,
+    transfer_leader_request,
 )
 
 
@@ -75,15 +81,34 @@ class _AsyncConnection:
         self.reader = reader
         self.writer = writer
         self.lines = _Lines()
+        self.auth_pending = False  # the answer to our action 0 is the next one to read
 
     @classmethod
-    async def open(cls, address: Address, timeout_s: float) -> _AsyncConnection:
+    async def open(cls, address: Address, timeout_s: float,
+                   secure: Security | None = None) -> _AsyncConnection:
+        context = secure.ssl_context if secure is not None else None
         # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose
         # inner call finishes as the caller is cancelled can swallow the
         # cancellation (the caller then runs on to the end).
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(*address)
-        return cls(address, reader, writer)
+        try:
+            async with asyncio.timeout(timeout_s):
+                if context is None:
+                    reader, writer = await asyncio.open_connection(*address)
+                else:
+                    assert secure is not None
+                    reader, writer = await asyncio.open_connection(
+                        *address, ssl=context, server_hostname=secure.hostname(address))
+        except ssl.SSLCertVerificationError as exc:
+            # The same on every node: asking the next will not help.
+            raise ClientConnectionError(
+                f"{_describe(address)}: TLS: the node's certificate is not trusted: "
+                f"{exc.verify_message or exc}") from None
+        conn = cls(address, reader, writer)
+        if secure is not None and secure.token is not None:
+            # Ahead of the first requests; its answer comes first.
+            writer.write(secure.auth_bytes)
+            conn.auth_pending = True
+        return conn
 
     def close(self) -> None:
         self.writer.close()
@@ -113,9 +138,15 @@ class AsyncClient:
     polls, which run on connections of their own."""
 
     def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S) -> None:
+                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S,
+                 token: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_hostname: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.timeout = timeout
         self.long_poll = _long_poll_s(long_poll)
+        self._security = security(token, tls, tls_ca, tls_cert, tls_key, tls_server_hostname,
+                                  ssl_context)
         self._main = _AsyncLane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
         self._batches = True  # as Client._batches
@@ -293,6 +324,18 @@ class AsyncClient:
         """As `Client.leader`."""
         return _leader_fields(await self._call({"action": 8}))
 
+    async def health(self) -> dict:
+        """As `Client.health`."""
+        return _result_fields(await self._call({"action": 109}))
+
+    async def drain(self, undo: bool = False) -> dict:
+        """As `Client.drain`."""
+        return _result_fields(await self._call(drain_request(undo)))
+
+    async def transfer_leader(self, node_id: int) -> int:
+        """As `Client.transfer_leader`."""
+        return (await self._call(transfer_leader_request(node_id)))["leader_node_id"]
+
     @asynccontextmanager
     async def process(self, queue: str | None = None, *, queues: Sequence[str] | None = None,
                       wait: float = 0.0,
@@ -417,7 +460,8 @@ class AsyncClient:
             try:
                 if lane.conn is None or lane.conn.address != address:
                     lane.drop()
-                    lane.conn = await _AsyncConnection.open(address, self.timeout)
+                    lane.conn = await _AsyncConnection.open(address, self.timeout,
+                                                            self._security)
                 await self._pump(lane.conn, ex, timeout_s)
                 error = None
             except TimeoutError:
@@ -451,6 +495,10 @@ class AsyncClient:
             if not data:
                 raise ConnectionError("connection closed by the node")
             for response in conn.lines.feed(data):
+                if conn.auth_pending:
+                    conn.auth_pending = False
+                    check_auth(response)  # raises Unauthorized
+                    continue
                 ex.feed(response)
 
 

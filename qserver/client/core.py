@@ -5,12 +5,14 @@ of the consumer helpers (`_Polling`), and the exchange (`_Exchange`), the
 retry policy (`_Router`) and the answer framing (`_Lines`) that both
 drivers, `sync.Client` and `aio.AsyncClient`, run over their connections.
 Nothing here opens a socket or sleeps; the one clock read is
-`produce_request`'s default `now_s` (`time.time()`)."""
+`produce_request`'s default `now_s` (`time.time()`), and the only files read
+are the TLS files `security` loads into an `ssl.SSLContext`."""
 
 from __future__ import annotations
 
 import math
 import re
+import ssl
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +30,7 @@ from ..errors import (
     QueuePaused,
     ServerError,
     StaleReceipt,
+    Unauthorized,
 )
 
 # How long one node may stay silent (connecting, or with requests in
@@ -129,6 +132,14 @@ SEQ_ALLOWANCE = 32
 # 134k/118k/115k. Past 2 the node's input buffer holds several large
 # requests, which its decoder frames more slowly than one at a time.
 BATCH_WINDOW = 2
+
+# The server's reasons for a refused token or action start with this
+# (protocol-v2, qserver.auth).
+UNAUTHORIZED = "unauthorized"
+
+# What a node that predates action 0 answers to it: it has no <security>,
+# so there is nothing to authenticate.
+INVALID_ACTION = "invalid action"
 
 # The server's reason for a produce into a paused queue: "queue paused", or
 # "queue paused: NAME" for a virtual queue (spec15.md).
@@ -681,6 +692,20 @@ def pause_request(queue: object, what: object = "all") -> dict:
     return config_request(queue, {"paused": what})
 
 
+def transfer_leader_request(node_id: object) -> dict:
+    """The wire request of a leader transfer (action 20) to node `node_id`."""
+    if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 1:
+        raise InvalidArgument(f"node_id must be a positive integer, not {node_id!r}")
+    return {"action": 20, "node_id": node_id}
+
+
+def drain_request(undo: object = False) -> dict:
+    """The wire request of a drain (action 108), or of its undo."""
+    if not isinstance(undo, bool):
+        raise InvalidArgument(f"undo must be True or False, not {undo!r}")
+    return {"action": 108, "drain": not undo}
+
+
 def request_wait_s(obj: dict) -> float:
     """The seconds a server may hold `obj` before answering (its `wait`, for
     a consume): the driver waits that long more than its timeout."""
@@ -703,6 +728,8 @@ def server_error(response: dict, index: int | None = None) -> ServerError:
         cls = NotInFlight
     elif reason == QUEUE_PAUSED or reason.startswith(QUEUE_PAUSED + ":"):
         cls = QueuePaused
+    elif reason.startswith(UNAUTHORIZED):
+        cls = Unauthorized
     else:
         cls = ServerError
     return cls(code if isinstance(code, int) else -1, reason, response, index)
@@ -1051,4 +1078,105 @@ class _Lines:
 
 def _describe(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
+
+
+# -- authentication and TLS (protocol-v2: action 0, <tls>) -----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Security:
+    """How a client's connections present themselves: `token` is sent as
+    action 0 first thing on every new connection (`auth_bytes`; its answer
+    is the first one the connection reads, `check_auth`), and
+    `ssl_context` (None: plain TCP) wraps each connection in TLS, checking
+    the node's certificate for `server_hostname` (None: the host dialed)."""
+
+    token: str | None = None
+    ssl_context: ssl.SSLContext | None = None
+    server_hostname: str | None = None
+
+    @property
+    def auth_bytes(self) -> bytes:
+        return orjson.dumps({"action": 0, "token": self.token})
+
+    def hostname(self, address: Address) -> str:
+        return self.server_hostname or address[0]
+
+
+def security(token: object = None, tls: object = False, tls_ca: object = None,
+             tls_cert: object = None, tls_key: object = None,
+             tls_server_hostname: object = None,
+             ssl_context: object = None) -> Security | None:
+    """The clients' `token` and TLS arguments, checked; None when there are
+    none (plain TCP, no action 0). TLS is on with `tls=True`, or when a CA,
+    a client certificate or an `ssl_context` is given: `tls_ca` (a PEM
+    bundle; default: the system's CAs) checks the node's certificate,
+    `tls_cert`/`tls_key` are the client's own (for nodes that ask for
+    one), `tls_server_hostname` the name the node's certificate must carry
+    (default: the host dialed). `ssl_context` replaces all of these.
+    Raises InvalidArgument (a file that cannot be used is named)."""
+    if token is not None and (not isinstance(token, str) or not token
+                              or any(c.isspace() for c in token)):
+        raise InvalidArgument("token must be a non-empty string without white space")
+    for name, value in (("tls_ca", tls_ca), ("tls_cert", tls_cert), ("tls_key", tls_key),
+                        ("tls_server_hostname", tls_server_hostname)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidArgument(f"{name} must be a non-empty string, not {value!r}")
+    files = tls_ca is not None or tls_cert is not None or tls_key is not None
+    if ssl_context is not None:
+        if not isinstance(ssl_context, ssl.SSLContext):
+            raise InvalidArgument(f"ssl_context must be an ssl.SSLContext, not "
+                                  f"{type(ssl_context).__name__}")
+        if files:
+            raise InvalidArgument("give ssl_context or tls_ca/tls_cert/tls_key, not both")
+        context: ssl.SSLContext | None = ssl_context
+    elif tls or files:
+        context = _ssl_context(tls_ca, tls_cert, tls_key)  # type: ignore[arg-type]
+    else:
+        if tls_server_hostname is not None:
+            raise InvalidArgument("tls_server_hostname without TLS (tls=True)")
+        context = None
+    if token is None and context is None:
+        return None
+    return Security(token, context, tls_server_hostname)  # type: ignore[arg-type]
+
+
+def _ssl_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    if key is not None and cert is None:
+        raise InvalidArgument("tls_key without tls_cert")
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(f"tls_ca={ca!r}: {_ssl_problem(exc)}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert is not None:
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"tls_cert={cert!r}, tls_key={key!r}: "
+                                  f"{_ssl_problem(exc)}") from None
+    return context
+
+
+def _ssl_problem(exc: Exception) -> str:
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return exc.reason.lower().replace("_", " ")
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+def check_auth(response: object) -> None:
+    """The answer to a connection's action 0: returns if the node took the
+    token (or has no <security>: code 0; a node that predates action 0
+    answers "invalid action", and has none either); else raises
+    Unauthorized (or _BrokenStream for something that is no answer)."""
+    if type(response) is not dict:
+        raise _BrokenStream("an answer that is not a JSON object")
+    if response.get("code") == 0:
+        return
+    reason = response.get("reason")
+    if reason == INVALID_ACTION:
+        return
+    raise Unauthorized(-1, str(reason) if reason else UNAUTHORIZED, response)
 

@@ -7,6 +7,7 @@ import builtins
 import itertools
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,6 +33,7 @@ from .core import (
     Address,
     BatchResult,
     Message,
+    Security,
     _batch_limits,
     _BrokenStream,
     _checked,
@@ -53,27 +55,60 @@ from .core import (
     _result_fields,
     _Router,
     _shown,
+    check_auth,
     clear_request,
     config_request,
     confirm_request,
     consume_request,
+    drain_request,
     nack_request,
     parse_hosts,
     pause_request,
     peek_request,
     produce_request,
     request_wait_s,
+    security,
     shorter_long_poll,
     show_request,
     touch_request,
+    transfer_leader_request,
 )
 
 
 class _Connection:
-    def __init__(self, address: Address, timeout_s: float) -> None:
+    def __init__(self, address: Address, timeout_s: float,
+                 secure: Security | None = None) -> None:
         self.address = address
-        self.sock = socket.create_connection(address, timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = socket.create_connection(address, timeout=timeout_s)
+        # An SSLSocket, non-blocking once set up: select() may say readable
+        # for a record that holds no answer (a TLS 1.3 session ticket), on
+        # which a blocking recv would wait for the timeout; and it may hold
+        # decrypted bytes select() does not see (see Client._pump).
+        self.tls = False
+        self.auth_pending = False  # the answer to our action 0 is the next one to read
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if secure is not None:
+                if secure.ssl_context is not None:
+                    try:
+                        sock = secure.ssl_context.wrap_socket(
+                            sock, server_hostname=secure.hostname(address))
+                    except ssl.SSLCertVerificationError as exc:
+                        # The same on every node: asking the next will not help.
+                        raise ClientConnectionError(
+                            f"{_describe(address)}: TLS: the node's certificate is not "
+                            f"trusted: {exc.verify_message or exc}") from None
+                    self.tls = True
+                if secure.token is not None:
+                    # Sent ahead of the first requests; its answer comes first.
+                    sock.sendall(secure.auth_bytes)
+                    self.auth_pending = True
+                if self.tls:
+                    sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
         self.lines = _Lines()
 
     def close(self) -> None:
@@ -108,12 +143,28 @@ class Client:
     retrying (other nodes, no leader) before raising. `long_poll`: the wait
     of each long poll of `messages` and `process` (lowered by the client if
     a node's max_wait is lower). Connects on first use.
+
+    Nodes with `<security>` and `<tls>` (see "Authentication and TLS" in
+    the package docstring): `token` is sent as action 0 first thing on
+    every connection; `tls=True` speaks TLS, checking the node's
+    certificate against `tls_ca` (default: the system's CAs) for
+    `tls_server_hostname` (default: the host dialed); `tls_cert` and
+    `tls_key` are the client's certificate for nodes that ask for one;
+    `ssl_context` replaces the `tls_*` arguments. Raises `InvalidArgument`
+    for a file that cannot be used, `Unauthorized` when a node refuses the
+    token.
     """
 
     def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S) -> None:
+                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S,
+                 token: str | None = None, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_hostname: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.timeout = timeout
         self.long_poll = _long_poll_s(long_poll)
+        self._security = security(token, tls, tls_ca, tls_cert, tls_key, tls_server_hostname,
+                                  ssl_context)
         self._main = _Lane(_Router(parse_hosts(hosts), retry_for))
         self._seqs = itertools.count(1)
         # produce_many sends batch produces until a node refuses one as a
@@ -420,6 +471,30 @@ class Client:
         leader_port}. Raises `NoLeader` when none is elected in time."""
         return _leader_fields(self._call({"action": 8}))
 
+    # -- operations ---------------------------------------------------------
+
+    def health(self) -> dict:
+        """Whether the node the client talks to is ready for clients (action
+        109, answered by that node): {ready, reasons, role, leader_node_id,
+        applied_id, commit_id, ...}; `reasons` lists what is wrong in words
+        (empty when ready)."""
+        return _result_fields(self._call({"action": 109}))
+
+    def drain(self, undo: bool = False) -> dict:
+        """Take the node the client talks to out of client work (action 108;
+        `undo=True` puts it back): {draining, leader_node_id}. A master
+        first hands its role to its most up-to-date slave; when it cannot,
+        raises `ServerError` with the reason (the node drains anyway: its
+        answer, in the exception's `response`, says `draining`)."""
+        return _result_fields(self._call(drain_request(undo)))
+
+    def transfer_leader(self, node_id: int) -> int:
+        """Hand the master role to node `node_id` (action 20, sent on to the
+        master); returns the new master's node id once it has taken over.
+        Raises `ServerError` ("no such node", "node not caught up",
+        "transfer timed out", ...)."""
+        return self._call(transfer_leader_request(node_id))["leader_node_id"]
+
     # -- consumer helpers -------------------------------------------------
 
     @contextmanager
@@ -569,7 +644,7 @@ class Client:
             try:
                 if lane.conn is None or lane.conn.address != address:
                     lane.drop()
-                    lane.conn = _Connection(address, self.timeout)
+                    lane.conn = _Connection(address, self.timeout, self._security)
                 self._pump(lane.conn, ex, timeout_s)
                 error = None
             except TimeoutError:
@@ -604,12 +679,25 @@ class Client:
             if not readable and not writable:
                 raise TimeoutError
             if writable:
-                out = out[sock.send(out):]
+                try:
+                    out = out[sock.send(out):]
+                except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                    pass  # TLS (non-blocking): the same bytes again once select() says so
             if readable:
-                data = sock.recv(RECV_SIZE)
+                try:
+                    data = sock.recv(RECV_SIZE)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    continue  # TLS: a record without application data
                 if not data:
                     raise ConnectionError("connection closed by the node")
+                if conn.tls:  # the rest of a TLS record: decrypted, not in the socket
+                    while pending := sock.pending():  # type: ignore[attr-defined]
+                        data += sock.recv(pending)
                 for response in conn.lines.feed(data):
+                    if conn.auth_pending:
+                        conn.auth_pending = False
+                        check_auth(response)  # raises Unauthorized
+                        continue
                     ex.feed(response)
 
 

@@ -44,7 +44,6 @@ resends after a failover although its first copy was committed.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
-    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
     WriterCommitMessage,
 )
 from pyspark.sql.types import StructType
@@ -63,9 +62,14 @@ from qserver.client import Client
 from qserver.client.core import server_error
 from qserver.errors import QServerClientError
 
+from . import leaders, report
+from ._compat import HAS_STREAM_ARROW_WRITER, DataSourceStreamArrowWriter, rows_to_batches
 from .errors import OptionError, WriteError
+from .messages import SCHEMA
 from .options import SinkOptions, parse_options
 from .rows import batch_items
+from .source import QServerBatchReader, QServerStreamReader
+from .source_options import parse_source_options
 from .wire import BatchBuilder, count_answers, rows_of, single_requests
 
 __all__ = [
@@ -77,8 +81,6 @@ __all__ = [
     "summarize",
     "write_rows",
 ]
-
-log = logging.getLogger("qserver_spark")
 
 # Batch produce requests (up to 1,000 rows each) a task keeps in flight on
 # its connection: enough to overlap a request's quorum commit with sending
@@ -98,10 +100,6 @@ PIPELINE_WINDOW = 200
 
 # What a node that predates batch produce answers to one (it wants `data`).
 OLD_SERVER_REASON = "missing field: data"
-
-# Addresses a server listens on that a client cannot connect to as such.
-_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
-
 
 @dataclass(frozen=True)
 class QServerCommitMessage(WriterCommitMessage):
@@ -159,18 +157,18 @@ def master_first(opts: SinkOptions) -> list[str]:
     directly saves that (bench/spark_bench.py). The other hosts stay in the
     list for failover. A master that reports a wildcard address (it listens
     on every interface) names no host to connect to: the hosts stay as given.
+    Looked up once per Python worker process (`leaders`): Spark reuses its
+    workers for task after task.
 
     Raises:
         QServerClientError when no node answers (after the client's retries).
     """
-    hosts = list(opts.hosts)
-    with Client(hosts, timeout=opts.timeout_s) as client:
-        leader = client.leader()
-    host, port = leader.get("leader_host"), leader.get("leader_port")
-    if not host or host in _WILDCARD_HOSTS or not port:
-        return hosts
-    address = f"{host}:{port}"
-    return [address] + [h for h in hosts if h != address]
+    def lookup() -> dict:
+        with Client(list(opts.hosts), timeout=opts.timeout_s, **opts.client_options) as client:
+            return client.leader()
+
+    # Once per worker process (qserver_spark.leaders), not once per task.
+    return leaders.master_first(opts.hosts, lookup)
 
 
 def write_rows(record_batches: Iterator[pa.RecordBatch], opts: SinkOptions
@@ -194,7 +192,7 @@ def write_rows(record_batches: Iterator[pa.RecordBatch], opts: SinkOptions
     except QServerClientError as exc:
         raise WriteError(f"qserver sink: no node of {list(opts.hosts)} told which node is "
                          f"master: {exc}. Nothing was written by this task.") from exc
-    with Client(hosts, timeout=opts.timeout_s) as client:
+    with Client(hosts, timeout=opts.timeout_s, **opts.client_options) as client:
         if opts.batch_produce:
             builder = BatchBuilder(opts.batch_size)
             ready: list[dict] = []
@@ -229,6 +227,8 @@ def write_rows(record_batches: Iterator[pa.RecordBatch], opts: SinkOptions
                 _send(client, single_requests(pending, time.time()), PIPELINE_WINDOW, opts,
                       counts)
                 counts.batches += 1
+    # The master changed under this task: the next task looks it up again.
+    leaders.forget(opts.hosts, client.address)
     return QServerCommitMessage(rows=counts.rows, batches=counts.batches,
                                 queues=dict(counts.queues), duplicates=counts.duplicates,
                                 seconds=time.monotonic() - start)
@@ -306,10 +306,10 @@ class QServerWriter(DataSourceArrowWriter):
         return write_rows(iterator, self.opts)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        log.info("qserver sink: wrote %s", summarize(messages).describe())
+        report.logger().info("qserver sink: wrote %s", summarize(messages).describe())
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        log.warning(
+        report.logger().warning(
             "qserver sink: the write failed after %s. Messages already produced stay in "
             "their queues (a queue cannot take them back); writing the DataFrame again "
             "produces them again (at-least-once), unless a dedup column gives each row its "
@@ -327,11 +327,11 @@ class QServerStreamWriter(DataSourceStreamArrowWriter):
         return write_rows(iterator, self.opts)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        log.info("qserver sink: micro-batch %d: wrote %s", batchId,
-                 summarize(messages).describe())
+        report.logger().info("qserver sink: micro-batch %d: wrote %s", batchId,
+                             summarize(messages).describe())
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        log.warning(
+        report.logger().warning(
             "qserver sink: micro-batch %d failed after %s. Messages already produced stay in "
             "their queues; when the query restarts from its checkpoint the micro-batch is "
             "written again (at-least-once), unless a dedup column gives each row its dedup "
@@ -339,10 +339,29 @@ class QServerStreamWriter(DataSourceStreamArrowWriter):
             summarize(messages).describe())
 
 
+class QServerStreamRowWriter(DataSourceStreamWriter):
+    """The streaming writer on PySpark 4.0, which has no Arrow streaming
+    writer: its rows become the Arrow record batches `write_rows` takes
+    (`_compat.rows_to_batches`). The batch and micro-batch commit and abort
+    are the Arrow writer's."""
+
+    def __init__(self, opts: SinkOptions, schema: StructType) -> None:
+        self.opts = opts
+        self.schema = schema
+
+    def write(self, iterator: Iterator) -> QServerCommitMessage:
+        return write_rows(rows_to_batches(iterator, self.schema), self.opts)
+
+    commit = QServerStreamWriter.commit
+    abort = QServerStreamWriter.abort
+
+
 class QServerDataSource(DataSource):
     """The "qserver" data source: a sink that produces every row as a
-    message. Options: see spark_integration/README.md or
-    `qserver_spark.options.OPTIONS`."""
+    message, and a source that reads messages (`spark.readStream`: consumes
+    and confirms once Spark commits each micro-batch; `spark.read`: peeks).
+    Options: see spark_integration/README.md, `qserver_spark.options.OPTIONS`
+    and `qserver_spark.source_options.SOURCE_OPTIONS`."""
 
     @classmethod
     def name(cls) -> str:
@@ -354,9 +373,33 @@ class QServerDataSource(DataSource):
                               "overwritten, only appended to (use .mode(\"append\"))")
         return QServerWriter(parse_options(self.options, schema))
 
-    def streamWriter(self, schema: StructType, overwrite: bool) -> QServerStreamWriter:
+    def streamWriter(self, schema: StructType, overwrite: bool
+                     ) -> QServerStreamWriter | QServerStreamRowWriter:
         if overwrite:
             raise OptionError("output mode 'complete' is not supported: it would send the "
                               "whole result again every micro-batch (use outputMode "
                               "\"append\" or \"update\")")
+        if not HAS_STREAM_ARROW_WRITER:
+            return QServerStreamRowWriter(parse_options(self.options, schema), schema)
         return QServerStreamWriter(parse_options(self.options, schema))
+
+    def schema(self) -> StructType:
+        """The rows of a read (qserver_spark.messages: queue, msg_id, data,
+        deliveries, the dead-letter fields; priority, ready_at, expires_at,
+        nacks from a batch read)."""
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> QServerBatchReader:
+        _check_schema(schema)
+        return QServerBatchReader(parse_source_options(self.options, streaming=False))
+
+    def simpleStreamReader(self, schema: StructType) -> QServerStreamReader:
+        _check_schema(schema)
+        return QServerStreamReader(parse_source_options(self.options, streaming=True))
+
+
+def _check_schema(schema: StructType) -> None:
+    if schema != SCHEMA:
+        raise OptionError(f"a read gives the schema {SCHEMA.simpleString()}, not "
+                          f"{schema.simpleString()} (leave out .schema(...), select and cast "
+                          f"afterwards)", "source")

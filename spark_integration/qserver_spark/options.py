@@ -33,6 +33,10 @@ Rules, in the style of Spark's Kafka sink:
 - `batchProduce` (default true): one produce request per up to `batchSize`
   rows of one queue (`messages`); false: one request per row, pipelined
   (for a server without batch produce, and as the bench's baseline).
+- `token`, `tls`, `tlsCa`: the client's token (nodes with `<security>`) and
+  TLS (nodes with `<tls>`), passed to `qserver.client.Client` on every
+  executor; `tlsCa` (a PEM file that must exist where the tasks run)
+  implies `tls`. Spark redacts options named like "token" in its UI.
 
 No I/O here: this module only reads its arguments.
 """
@@ -41,7 +45,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pyspark.sql.types import (
     DataType,
@@ -117,6 +122,10 @@ OPTIONS = {
     "batchProduce": "false: one produce request per row instead of batches (default: true)",
     "batchSize": f"rows per produce request (default {DEFAULT_BATCH_SIZE})",
     "timeout": f"seconds a node may stay silent (default {DEFAULT_TIMEOUT_S:g})",
+    "token": "the client token, for nodes with <security>",
+    "tls": "true: connect with TLS (default: false; implied by tlsCa)",
+    "tlsCa": "CA bundle (PEM file on every executor) the nodes' certificates are checked "
+             "against (default: the system's)",
 }
 
 # Options Spark itself may put in the map; they mean nothing to the sink.
@@ -155,6 +164,14 @@ class SinkOptions:
     batch_produce: bool = True  # False: one produce request per row
     batch_size: int
     timeout_s: float
+    token: str | None = field(default=None, repr=False)  # a secret: not in reprs or logs
+    tls: bool = False
+    tls_ca: str | None = None
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """The token and TLS keyword arguments of `qserver.client.Client`."""
+        return {"token": self.token, "tls": self.tls, "tls_ca": self.tls_ca}
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -234,12 +251,20 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
     timeout_s = _number(opts, "timeout", "timeout", DEFAULT_TIMEOUT_S)
     if timeout_s <= 0:
         raise OptionError(f"option 'timeout' must be positive, not {timeout_s:g}")
+    token = opts.get("token")
+    if token is not None and (not token or any(c.isspace() for c in token)):
+        raise OptionError("option 'token' must be a non-empty string without white space")
+    tls_ca = opts.get("tlsca")
+    if tls_ca is not None and not tls_ca.strip():
+        raise OptionError("option 'tlsCa' must be a file path")
+    tls = _bool(opts, "tls", "tls", False) or tls_ca is not None
 
     return SinkOptions(hosts=hosts, queue=queue, queue_column=queue_column,
                        data_column=data_column, json_columns=json_columns, delay=delay,
                        ttl=ttl, retry=retry, priority=priority, priority_column=priority_column,
                        dedup_columns=dedup_columns, batch_produce=batch_produce,
-                       batch_size=int(batch_size), timeout_s=timeout_s)
+                       batch_size=int(batch_size), timeout_s=timeout_s, token=token, tls=tls,
+                       tls_ca=tls_ca)
 
 
 def _hosts(value: str | None) -> tuple[str, ...]:
