@@ -19,6 +19,7 @@ def test_example_sets_every_setting():
     assert c.max_request_size == 1_048_576 and c.virtual_queues == {"test": ("test1", "test2")}
     assert c.queue_defaults == {}  # its <queue> example is commented out
     assert (c.queue_size, c.log_size, c.sync_rate) == (1_000_000, 100_000, 3000)
+    assert (c.http_host, c.http_port, c.metrics_per_queue) == ("127.0.0.1", 1121, True)
 
 
 def test_example_queue_element_in_its_comment_parses():
@@ -41,4 +42,5 @@ def test_single_matches_the_embedded_default():
 def test_local_cluster_nodes(i):
     c = load_config(str(ROOT / "config" / f"node{i}.xml"))
     assert c.node_id == i and c.port == 1110 + i
+    assert (c.http_host, c.http_port) == ("127.0.0.1", 1120 + i)  # make run: metrics, probes
     assert [(p.node_id, p.port) for p in c.peers] == [(1, 1101), (2, 1102), (3, 1103)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..state.entries import Entry
+from ..stats import Histogram
 
 __all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "JsonObject", "Respond",
            "ForwardedHandler", "FatalHandler", "RoleHandler", "Cancel", "FORWARD_TIMEOUT_S",
@@ -241,3 +242,9 @@ class Engine(Protocol):
 
     def storage_info(self) -> JsonObject | None:
         """What monitor shows about the log on disk (None without storage)."""
+
+    def timings(self) -> dict[str, Histogram]:
+        """Histograms of the engine's own waits, for metrics: "fsync" (a
+        log fsync, from its start to its end) and "snapshot_pause" (the
+        event loop's pause to start a snapshot); one the engine does not
+        have is left out."""

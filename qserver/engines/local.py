@@ -16,6 +16,7 @@ from typing import Any
 from ..state.entries import Entry
 from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
+from ..stats import Histogram
 from .base import (
     Cancel,
     Done,
@@ -122,3 +123,6 @@ class LocalEngine:
 
     def storage_info(self) -> JsonObject | None:
         return None
+
+    def timings(self) -> dict[str, Histogram]:
+        return {}  # no fsync, no snapshots

@@ -948,6 +948,15 @@ class Store:
         # Names of the queues whose `finals` is not empty: where the master
         # looks for leases that ran out (`next_final_ms`, `decide_expired`).
         self.final_queues: set[str] = set()
+        # What this node's apply did since it started, for its metrics
+        # (metrics.py): not state (no snapshot holds them, a revert does
+        # not take them back, a restart's replay counts again). Each only
+        # grows.
+        self.produced = 0  # messages stored by produce entries (one per real queue)
+        self.delivered = 0  # messages delivered by consume entries
+        self.redelivered = 0  # ...of them, delivered before
+        self.confirmed = 0  # messages deleted by confirm entries
+        self.nacked = 0  # messages given back by nack entries
 
     # -- reads -----------------------------------------------------------
 
@@ -1410,6 +1419,7 @@ class Store:
                 queue.fifo_ready = ready_ms
             else:
                 queue.pending.add(ready_ms << _ID_BITS | msg_id)
+        self.produced += len(targets)
         return targets
 
     def _apply_consume(self, entry: Consume,
@@ -1419,6 +1429,9 @@ class Store:
         queue = self.queues.get(name)
         if queue is None or (msg := queue.messages.get(msg_id)) is None:
             raise InvariantError(f"consume of missing message {name}/{msg_id}")
+        self.delivered += 1
+        if len(msg) > _SHORT and msg[DELIVERIES]:
+            self.redelivered += 1
         priorities = queue.priorities
         prioritized = msg_id in priorities if priorities else False
         if undo is not None:
@@ -1486,6 +1499,7 @@ class Store:
         queue, msg = self._message_for(name, msg_id, "nack")
         if not msg[RETRY_AT_MS]:
             raise InvariantError(f"nack of {name}/{msg_id}, which is not in flight")
+        self.nacked += 1
         if undo is not None:
             undo.append((_RESTORE, name, msg_id, msg, queue.priorities.get(msg_id)))
         queue.unindex(msg_id, msg)
@@ -1568,6 +1582,7 @@ class Store:
         """-> the targets: item k is message first + k of each."""
         owner, targets, items, accepted_ms, cutoff_ms = entry
         count = len(items)
+        self.produced += count * len(targets)
         queues = self.queues
         for name, first in targets:
             queue = self._claim_ids(name, first, count, undo, "produce")
@@ -1627,6 +1642,7 @@ class Store:
         msg = queue.messages.pop(msg_id, None)
         if msg is None:
             return False
+        self.confirmed += 1
         priorities = queue.priorities
         if priorities and msg_id in priorities:
             if undo is not None:

@@ -60,9 +60,11 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from time import perf_counter_ns
 
 from ...config import BATCH_SYNC_MS, Fsync
 from ...errors import InvariantError
+from ...stats import FSYNC_BUCKETS_S, Histogram
 from ...storage import DiskStorage, KernelSync, StorageError
 from .core import OwnSync
 
@@ -117,6 +119,10 @@ class Durability:
         # set iff not _busy or _failed: what close() waits for
         self._settled = asyncio.Event()
         self._settled.set()
+        # Every log fsync's time from its start to its end (metrics: an
+        # fsync off the loop includes its wait for the kernel or thread).
+        self.fsync_seconds = Histogram(FSYNC_BUCKETS_S)
+        self._sync_started_ns = 0  # perf_counter_ns() when the sync off the loop began
 
     @property
     def _running(self) -> asyncio.AbstractEventLoop:
@@ -148,7 +154,9 @@ class Durability:
             return
         policy = self.policy
         if policy is Fsync.ALWAYS and own_sync is OwnSync.BEFORE_SEND:
+            started = perf_counter_ns()
             storage.sync()
+            self.fsync_seconds.observe_ns(perf_counter_ns() - started)
             self._synced(storage.next_trans_id - 1)
         elif policy is Fsync.ALWAYS and own_sync is OwnSync.NOW:
             self._start_sync()
@@ -220,6 +228,7 @@ class Durability:
             self._synced(self.storage.next_trans_id - 1)
             return
         fd, covered, mark = handle
+        self._sync_started_ns = perf_counter_ns()
         self._busy = True
         self._settled.clear()
         if self._kernel_sync is not None:
@@ -287,6 +296,7 @@ class Durability:
 
     def _ended(self) -> None:
         """The sync off the loop ended (its outcome is dealt with next)."""
+        self.fsync_seconds.observe_ns(perf_counter_ns() - self._sync_started_ns)
         self._busy = False
         self._settled.set()
 

@@ -45,6 +45,7 @@ from typing import BinaryIO, TypedDict
 
 from ...errors import InvariantError
 from ...state.store import SnapshotLoader
+from ...stats import PAUSE_BUCKETS_S, Histogram
 from ...storage import (
     DiskStorage,
     decode_snapshot,
@@ -170,6 +171,8 @@ class SnapshotFiles:
         self.stats: _Stats = {"taken": 0, "failed": 0, "last_pause_ms": None,
                               "max_pause_ms": None, "last_write_ms": None, "sent": 0,
                               "installed": 0}
+        # Every fork's pause of the event loop (metrics; stats has the last and max).
+        self.pause_seconds = Histogram(PAUSE_BUCKETS_S)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -260,6 +263,7 @@ class SnapshotFiles:
                 finally:
                     os._exit(status)
         pause_ms = (time.perf_counter() - started) * 1000
+        self.pause_seconds.observe_ns(round(pause_ms * 1_000_000))
         os.close(w)
         stats = self.stats
         stats["last_pause_ms"] = round(pause_ms, 2)
