@@ -330,7 +330,8 @@ class AsyncClient:
 
     async def drain(self, undo: bool = False) -> dict:
         """As `Client.drain`."""
-        return _result_fields(await self._call(drain_request(undo)))
+        request = drain_request(undo)
+        return _new_fields(request, await self._call(request))
 
     async def transfer_leader(self, node_id: int) -> int:
         """As `Client.transfer_leader`."""

@@ -486,7 +486,8 @@ class Client:
         first hands its role to its most up-to-date slave; when it cannot,
         raises `ServerError` with the reason (the node drains anyway: its
         answer, in the exception's `response`, says `draining`)."""
-        return _result_fields(self._call(drain_request(undo)))
+        request = drain_request(undo)
+        return _new_fields(request, self._call(request))
 
     def transfer_leader(self, node_id: int) -> int:
         """Hand the master role to node `node_id` (action 20, sent on to the
