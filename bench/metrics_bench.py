@@ -2,7 +2,7 @@
 
     python bench/metrics_bench.py [--duration 3] [--repeat 5] [--protos tcp,udp]
                                   [--modes produce,consume_confirm] [--queues 100]
-                                  [--scrape-interval 1] [--baseline DIR]
+                                  [--scrape-interval 1] [--baseline DIR] [--parts load,scrape]
 
 Starts one-node qserver processes on free loopback ports, each in memory
 with the same settings:
@@ -26,13 +26,22 @@ and the median CPU per request, and the ratios http/plain (and
 baseline/plain) of the median throughput and of the median CPU per
 request: both sides in the same run, on the same machine at the same time.
 The scrapes' own figures (count, median and max time from connect to the
-last byte, body size) close the output. Nothing is asserted.
+last byte, body size) close that part.
+
+`scrape` part: what one scrape costs the node's event loop, in process
+(no sockets): a node with 100, 1,000 and 10,000 queues of one message,
+per_queue on and off, the CPU time of `NodeMetrics.render` (collect and
+format), median of `--scrape-repeat` (10), and the body's size. A scrape
+runs on the loop, so this is how long the node's clients wait behind it.
+
+Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import shlex
 import statistics
@@ -197,6 +206,36 @@ async def _measure(args: argparse.Namespace, servers: dict[str, ServerProcess],
               f"bytes ({args.queues + 1} queues)")
 
 
+def scrape_cost(repeat: int) -> None:
+    """The `scrape` part (see the module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from qserver.config import parse_xml
+    from qserver.metrics import NodeMetrics
+    from qserver.node import Node
+
+    print("one scrape, in process: the node's CPU (its event loop is busy for as long)")
+    print(f"{'queues':>7} {'per_queue':>9} {'ms/scrape':>10} {'us/queue':>9} {'bytes':>10}")
+    now_ms = int(time.time() * 1000)
+    for queues in (100, 1_000, 10_000):
+        for per_queue in (1, 0):
+            config = parse_xml(f'<config><node_info node_id="1" host="127.0.0.1" port="1"/>'
+                               f'<http port="0" per_queue="{per_queue}"/></config>', "bench")
+            node = Node(config)  # never started: only its state and collector are used
+            for i in range(queues):
+                node.service.answer_now({"action": 1, "queue": f"q{i}", "data": "x"}, now_ms)
+            metrics = NodeMetrics(node)
+            times = []
+            body = b""
+            for _ in range(repeat):
+                gc.collect()
+                started = time.process_time()
+                body, _ = metrics.render("")
+                times.append(time.process_time() - started)
+            ms = statistics.median(times) * 1000
+            print(f"{queues:>7,} {per_queue:>9} {ms:>10.2f} {ms * 1000 / queues:>9.1f} "
+                  f"{len(body):>10,}", flush=True)
+
+
 def _config(path: str, port: int, http_port: int | None) -> str:
     http = f'<http host="127.0.0.1" port="{http_port}"/>' if http_port is not None else ""
     with open(path, "w") as f:
@@ -219,6 +258,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between scrapes of the http node (default 1)")
     p.add_argument("--baseline", metavar="DIR",
                    help="also run the qserver package of this source tree (no <http>)")
+    p.add_argument("--parts", type=lambda s: s.split(","), default=["load", "scrape"],
+                   help="load (the client path with and without <http>), scrape (one "
+                        "scrape's cost in process); default both")
+    p.add_argument("--scrape-repeat", type=int, default=10)
     return p
 
 
@@ -230,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.2f} at start; {args.concurrency} clients, {args.duration} s "
           f"per run, {args.repeat} runs per node, protocol and mode", flush=True)
     servers: dict[str, ServerProcess] = {}
+    if "load" not in args.parts:
+        scrape_cost(args.scrape_repeat)
+        return 0
     rc = 1
     with tempfile.TemporaryDirectory(prefix="qserver-metrics-bench-") as tmp:
         try:
@@ -256,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             scraper = Scraper("127.0.0.1", http_port, args.scrape_interval)
             uvloop.run(_measure(args, servers, scraper))
             rc = 0
+            if "scrape" in args.parts:
+                print()
+                scrape_cost(args.scrape_repeat)
         except KeyboardInterrupt:
             print("\ninterrupted; stopping the nodes", file=sys.stderr)
             rc = 130
