@@ -42,7 +42,9 @@ answers every parked consume at once with the empty answer.
 Drain (action 108) takes a node out of client work, to stop or restart it
 without its clients noticing: `draining` is set, parked consumes are
 answered empty at once, and a master hands its role to its most up-to-date
-slave (Engine.transfer_leader), answering the drain once that is done.
+slave (Engine.transfer_leader), answering the drain once that is done; a
+draining node elected master again (an election raced or followed the
+hand-over) hands the role over again, from the next tick.
 While draining, a client's request gets a redirect to the master (code -2),
 or "no leader" when there is none or this node still is it (a failed
 transfer): either way its client goes elsewhere. Still answered here: health
@@ -72,7 +74,15 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from .config import Config
-from .engines.base import FORWARD_TIMEOUT_S, Engine, JsonObject, Respond, Role, Session
+from .engines.base import (
+    FORWARD_TIMEOUT_S,
+    Engine,
+    JsonObject,
+    Respond,
+    Role,
+    Session,
+    TransferDone,
+)
 from .errors import BadRequest
 from .state.entries import Configure, Confirm, Consume, ConsumeMany, DeadLetter
 from .state.store import (
@@ -120,6 +130,12 @@ EXPIRE_BATCH = 256
 # A move of an expired final lease that the engine refused (a full disk) is
 # tried again this much later.
 EXPIRE_RETRY_MS = 1000
+
+# A draining master that is elected again right after handing its role
+# over (an election raced the hand-over) hands it over again, this many
+# times in all for one drain or one election before it answers with what
+# happened: a node that keeps winning is worth an operator's look.
+HAND_OVER_TRIES = 3
 
 # What a draining node still answers itself (with 104 and 107, node-local
 # monitor and list; "Drain" in the module docstring): what an operator
@@ -216,6 +232,14 @@ class Service:
         # Set by drain (action 108): this node takes no new client work
         # (see `drain`); health says not ready while it is set.
         self.draining = False
+        # A draining master's hand-over (Engine.transfer_leader): under way;
+        # due at the next tick (elected again while draining); the drains
+        # waiting for its end; the tries left before a re-election is
+        # reported as the outcome.
+        self._handing_over = False
+        self._hand_over_due = False
+        self._drain_answers: list[TransferDone] = []
+        self._hand_over_tries = 0
 
     @property
     def parked(self) -> int:
@@ -511,12 +535,6 @@ class Service:
                        leader_node_id=leader.node_id if leader is not None else 0)
             respond(obj)
             return
-        target = engine.transfer_target()
-        if target is None:
-            response = error_response("no slave to take over", obj)
-            response["draining"] = True
-            respond(response)
-            return
 
         def done(leader_id: int | None, reason: str | None) -> None:
             if reason is not None:
@@ -527,7 +545,35 @@ class Service:
             obj.update(code=0, draining=self.draining, leader_node_id=leader_id)
             respond(obj)
 
-        engine.transfer_leader(target, done)
+        self._drain_answers.append(done)
+        if not self._handing_over:
+            self._hand_over_tries = HAND_OVER_TRIES
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """A draining master: hand the role to the most up-to-date slave."""
+        target = self.engine.transfer_target()
+        if target is None:
+            self._handed_over(None, "no slave to take over")
+            return
+        self._handing_over = True
+        self.engine.transfer_leader(target, self._handed_over)
+
+    def _handed_over(self, leader_id: int | None, reason: str | None) -> None:
+        """How a drain's hand-over ended: tell the drains that wait for it,
+        unless this node was elected again meanwhile (an election raced
+        the hand-over) and may try again (from the timer: the engine may be
+        in the middle of its turn)."""
+        self._handing_over = False
+        if (reason is None and leader_id == self.config.node_id and self.draining
+                and self._hand_over_tries > 1):
+            self._hand_over_tries -= 1
+            self._hand_over_due = True
+            self._arm(0)  # at once
+            return
+        answers, self._drain_answers = self._drain_answers, []
+        for answer in answers:
+            answer(leader_id, reason)
 
     def _transfer_leader(self, obj: JsonObject, req: TransferLeaderRequest,
                          respond: Respond) -> None:
@@ -955,7 +1001,20 @@ class Service:
     def tick(self, now_ms: int) -> None:
         """The node's timer: answer parked consumes whose wait ended, serve
         those whose queues have something due, move out final deliveries
-        whose lease ran out (master only), and arm the next timer."""
+        whose lease ran out (master only), and arm the next timer; a
+        draining master due to hand its role over starts that."""
+        if self._hand_over_due:
+            self._hand_over_due = False
+            if self._handing_over:
+                pass  # one is under way already: the drains wait for it
+            elif self.draining and self.engine.is_master:
+                self._hand_over()
+            elif self._drain_answers:  # undrained, or the role went elsewhere meanwhile
+                leader = self.engine.leader()
+                if leader is None:
+                    self._handed_over(None, "no leader")
+                else:
+                    self._handed_over(leader.node_id, None)
         while self._timeouts and self._timeouts[0][0] <= now_ms:
             _deadline, key = heapq.heappop(self._timeouts)
             waiter = self._waiters.get(key)
@@ -988,6 +1047,13 @@ class Service:
             final_ms = self.store.next_final_ms()
             if final_ms is not None:
                 self._arm(final_ms)
+            if self.draining and len(self.config.peers) > 1:
+                # Elected although draining (an election after its hand-over):
+                # hand the role over again, from the timer (the engine is in
+                # the middle of its turn now).
+                self._hand_over_tries = HAND_OVER_TRIES
+                self._hand_over_due = True
+                self._arm(0)  # at once
             return
         self.release_parked()
 

@@ -288,11 +288,10 @@ def test_drain_of_a_master_hands_its_role_over_first():
     assert len(out) == 1 and error(out[0], "no leader")["draining"] is True
     answers: list[dict] = []
     node.service.handle({"action": 108, "seq": 5}, NOW, answers.append)
-    assert len(node.fake.transfers) == 2  # joined by the engine: the same target
+    assert len(node.fake.transfers) == 1  # joins the hand-over under way
     node.fake.is_master, node.fake.role, node.fake.known = False, Role.SLAVE, LeaderInfo(
         node_id=3, host="10.0.0.3", port=1113)
     done(3, None)
-    node.fake.transfers[1][1](3, None)
     assert answers == [{"action": 108, "seq": 5, "code": 0, "draining": True,
                         "leader_node_id": 3}]
     resp = node({"action": 2, "queue": "q"})
@@ -324,6 +323,72 @@ def test_a_failed_transfer_is_answered_with_its_reason_and_the_node_stays_draini
     error(node({"action": 1, "queue": "q", "data": "x"}), "no leader")
     assert ok(node({"action": 1, "queue": "q", "data": "x"}, forwarded=True))["msg_id"] == 1
     assert ok(node({"action": 2, "queue": "q"}, forwarded=True))["msg_id"] == 1
+
+
+def test_a_draining_node_elected_again_hands_its_role_over_again():
+    node = Node()
+    node.fake.become_master()
+    armed: list[int] = []
+    node.service.schedule = armed.append
+    answers: list[dict] = []
+    node.service.handle({"action": 108}, NOW, answers.append)
+    # The election raced the hand-over: the engine names this node.
+    node.fake.transfers[0][1](ME, None)
+    assert answers == [] and armed == [0]  # again, from the timer
+    node.service.tick(NOW)
+    assert len(node.fake.transfers) == 2
+    node.fake.transfers[1][1](ME, None)
+    node.service.tick(NOW)
+    node.fake.transfers[2][1](ME, None)  # the last try: answered with what happened
+    assert answers == [{"action": 108, "code": 0, "draining": True, "leader_node_id": ME}]
+    node.service.tick(NOW)
+    assert len(node.fake.transfers) == 3
+    # Later elected again, by an election of its own: it hands over again.
+    armed.clear()
+    node.service.role_changed(True)
+    assert armed == [0] and len(node.fake.transfers) == 3
+    node.service.tick(NOW)
+    assert node.fake.transfers[3][0] == 3
+    node.fake.transfers[3][1](3, None)  # nobody waits for this one's answer
+    assert len(answers) == 1
+
+
+@pytest.mark.parametrize("meanwhile", ["deposed", "undrained", "no master"])
+def test_a_drain_waiting_for_another_try_is_answered_when_there_is_none(meanwhile):
+    node = Node()
+    node.fake.become_master()
+    answers: list[dict] = []
+    node.service.handle({"action": 108}, NOW, answers.append)
+    node.fake.transfers[0][1](ME, None)  # elected again: another try is due
+    if meanwhile == "undrained":
+        ok(node({"action": 108, "drain": False}))
+    else:
+        node.fake.is_master, node.fake.role = False, Role.SLAVE
+        node.fake.known = MASTER if meanwhile == "deposed" else None
+    node.service.tick(NOW)
+    assert len(node.fake.transfers) == 1
+    expected = {"deposed": (0, 1), "undrained": (0, ME), "no master": (-1, None)}[meanwhile]
+    (answer,) = answers
+    assert answer["code"] == expected[0]
+    if expected[1] is None:
+        assert answer["reason"] == "no leader"
+    else:
+        assert answer["leader_node_id"] == expected[1]
+
+
+def test_no_second_hand_over_once_undrained_or_not_master():
+    node = Node()
+    node.fake.become_master()
+    node.service.draining = True
+    node.service.role_changed(True)
+    node.service.draining = False
+    node.service.tick(NOW)
+    assert node.fake.transfers == []
+    node.service.draining = True
+    node.service.role_changed(True)
+    node.fake.is_master = False
+    node.service.tick(NOW)
+    assert node.fake.transfers == []
 
 
 def test_drain_of_a_master_without_a_slave_to_take_over():
