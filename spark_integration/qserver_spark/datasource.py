@@ -1,10 +1,14 @@
-"""`QServerDataSource`: the "qserver" sink for Spark's Python data source API.
+"""`QServerDataSource`: the "qserver" sink (and the entry points of the
+source) for Spark's Python data source API.
 
     spark.dataSource.register(QServerDataSource)
     (df.write.format("qserver")
        .option("hosts", "127.0.0.1:1111,127.0.0.1:1112")
        .option("queue", "orders")
        .mode("append").save())
+
+The readers (`spark.readStream` and `spark.read`: `schema()`, `reader()`,
+`simpleStreamReader()`) are `source.py`'s; this module is the sink's.
 
 Theory of operation
 -------------------
