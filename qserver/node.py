@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 
 # How long an orderly shutdown waits for in-flight answers before closing.
 SHUTDOWN_GRACE_S = 5.0
+# A master stopped in order (SIGTERM, `stop()`) first hands its role to its
+# most up-to-date slave, as drain (108) does, so that the cluster does not
+# wait an election timeout for a new master: for at most this long (a
+# transfer's bounds are an election timeout to catch up and one to win).
+HAND_OVER_ON_STOP_S = 3.0
 
 # Garbage collection. Stored messages are untracked tuples, but the log keeps
 # up to log_size records, and CPython's automatic full collections rescan
@@ -327,7 +332,9 @@ class Node:
 
     async def shutdown(self) -> None:
         """Stop accepting, finish in-flight answers, close every connection
-        (after a fatal error: abort them, without waiting)."""
+        (after a fatal error: abort them, without waiting). A master first
+        hands its role over (`_hand_over`)."""
+        await self._hand_over()
         if self._gc_timer is not None:
             self._gc_timer.cancel()
         if self._tick_timer is not None:
@@ -362,6 +369,36 @@ class Node:
             await self.http.wait_closed()
         loop.set_exception_handler(self._previous_handler)
         log.info("qserver node %d stopped", self.config.node_id)
+
+
+    async def _hand_over(self) -> None:
+        """A cluster's master that stops in order drains first: its role
+        goes to its most up-to-date slave (leader transfer), new client
+        requests are redirected meanwhile; what it owes is answered after,
+        as ever. Gives up after HAND_OVER_ON_STOP_S: the others then elect
+        a master once their election timeout runs out, as after a crash."""
+        if self.failed or len(self.config.peers) <= 1 or not self.engine.is_master:
+            return
+        node_id = self.config.node_id
+        answer: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+
+        def respond(response: dict) -> None:
+            if not answer.done():
+                answer.set_result(response)
+
+        self.service.handle({"action": 108}, time.time_ns() // 1_000_000, respond)
+        try:
+            response = await asyncio.wait_for(answer, HAND_OVER_ON_STOP_S)
+        except TimeoutError:
+            log.warning("node %d: the master role was not handed over within %g s; "
+                        "stopping anyway", node_id, HAND_OVER_ON_STOP_S)
+            return
+        if response.get("code") == 0:
+            log.info("node %d: handed the master role to node %s before stopping",
+                     node_id, response.get("leader_node_id"))
+        else:
+            log.warning("node %d: could not hand the master role over before stopping: %s",
+                        node_id, response.get("reason"))
 
 
 def _where(context: dict) -> str:

@@ -279,3 +279,31 @@ def test_transfer_leader_via_the_cli(cluster, engine):
     done = cli("transfer-leader", "2", "-s", server(c, target), "--json")
     assert done.returncode == 0 and json.loads(done.stdout) == {"leader_node_id": 2}, done
     assert c.wait_master(DEADLINE_S) == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_of_the_master_hands_its_role_over(cluster, engine):
+    """A master stopped in order (SIGTERM: systemd, docker stop) drains
+    first: its role goes to a slave by leader transfer, not by an election
+    after a timeout, and nothing acknowledged is lost."""
+    c = cluster(engine=engine)
+    m = c.wait_master(DEADLINE_S)
+    load = Producers(c, "stopping")
+    load.start()
+    try:
+        wait_until(lambda: load.count() >= 200, DEADLINE_S)
+        assert c.nodes[m].stop(signal.SIGTERM) == 0
+        log = c.nodes[m].stderr_text
+        assert "handed the master role to node" in log, log
+        named = int(log.split("handed the master role to node ", 1)[1].split()[0])
+        rest = [i for i in range(1, c.n + 1) if i != m]
+        assert named in rest
+        assert c.wait_master(DEADLINE_S, alive=rest) in rest
+        before = load.count()
+        wait_until(lambda: load.count() >= before + 200, DEADLINE_S)  # writes go on
+    finally:
+        load.stop()
+    got = consume_all(c.port(c.wait_master(DEADLINE_S, alive=rest)), "stopping")
+    missing = load.acked - set(got)
+    assert not missing, f"{len(missing)} of {len(load.acked)} acknowledged produces lost"
+    assert len(got) == len(set(got))
