@@ -1,8 +1,11 @@
 """The Spark sink's rows per second with single produces and with batch
-produce, in one run.
+produce, and the Spark source's against the client's own consume+confirm
+loop, in one run.
 
     python bench/spark_bench.py [--rows 100000] [--repeat 3] [--partitions 2]
                                 [--master local[2]] [--dedup] [--windows 1,2,4,8]
+                                [--source-rows 50000] [--per-batch 10000]
+                                [--dead-letter-fields]
 
 It starts a three-node cluster of real `qserver run` processes on free
 loopback ports (tests/procs.py's Cluster, quorum mode, no storage), waits
@@ -32,8 +35,24 @@ with each number of batch requests in flight (the sink's
 PIPELINE_REQUESTS), alternating, --repeat runs each: what chose
 PIPELINE_REQUESTS.
 
+The source (--source-rows, 0 to skip it; --rows 0 skips the sink): before
+each run the bench fills a queue with --source-rows messages (retry 60 s,
+produced with batch produce, not timed), then times until the queue is
+empty, every message consumed and confirmed, on two sides, alternating:
+
+- client: the client's own loop on one connection, as a fast consumer
+  would write it: `consume(count=1000, lease=60)`, then the confirms of
+  those deliveries with their receipts, pipelined (200 in flight, as the
+  source's), until a consume comes back empty;
+- spark: a streaming query `spark.readStream.format("qserver")` with
+  maxMessagesPerBatch=--per-batch into Spark's `noop` sink (the rows are
+  produced and dropped), timed from `start()` to the queue being empty (the
+  last batch is confirmed at the trigger after it); deadLetterFields off
+  unless --dead-letter-fields (then one show per message more).
+
 It prints every run (and whether the master changed during it),
-min/median/max rows/s per side, and the ratio batch/single of the medians.
+min/median/max rows/s per side, and the ratio batch/single of the medians
+(spark/client for the source).
 Each side writes into a queue of its own; at the end the queues must hold
 every row (fewer: rows were lost, the figures are not valid; more:
 produces the client resent after a master change, a timeout or a broken
@@ -70,6 +89,10 @@ BENCH_QUEUE_SIZE = 100_000_000
 BATCH_SIZE = 1000
 
 SIDES = ("single", "batch")
+SOURCE_SIDES = ("client", "spark")
+
+# The source's lease in the bench: far longer than a run.
+SOURCE_LEASE_S = 60
 
 
 def _interrupted(signum, frame) -> None:
@@ -134,9 +157,88 @@ def run_task(hosts: str, queue: str, rows: int, window: int) -> float:
         datasource.PIPELINE_REQUESTS = saved
 
 
+def fill(hosts: str, queue: str, rows: int) -> None:
+    """`rows` at-least-once messages into `queue` (not timed)."""
+    with Client(hosts, timeout=60) as client:
+        client.produce_batch(queue, (f"order-{i:08d}" for i in range(rows)), retry=60)
+
+
+def run_source_client(hosts: str, queue: str) -> tuple[float, int]:
+    """Seconds to drain `queue` with the client's consume+confirm loop; the
+    messages confirmed."""
+    from qserver.client.core import confirm_request
+
+    confirmed = 0
+    start = time.perf_counter()
+    with Client(hosts, timeout=60) as client:
+        while True:
+            got = client.consume(queue, count=1000, lease=SOURCE_LEASE_S)
+            if not got:
+                break
+            answers = client._exchange([confirm_request(queue, d.msg_id, d.receipt)
+                                        for d in got], 200, stop_on_error=True)
+            confirmed += sum(1 for a in answers if a is not None and a.get("code") == 0)
+    return time.perf_counter() - start, confirmed
+
+
+def run_source_spark(spark, hosts: str, queue: str, per_batch: int, dead_letter_fields: bool,
+                     checkpoint: str) -> tuple[float, int]:
+    """Seconds from a streaming query's start to `queue` being empty; the
+    rows the query read (its progress reports)."""
+    start = time.perf_counter()
+    query = (spark.readStream.format("qserver").option("hosts", hosts).option("queue", queue)
+             .option("maxMessagesPerBatch", str(per_batch)).option("lease", str(SOURCE_LEASE_S))
+             .option("wait", "0.2")
+             .option("deadLetterFields", "true" if dead_letter_fields else "false").load()
+             .writeStream.format("noop").option("checkpointLocation", checkpoint)
+             .trigger(processingTime="0 seconds").start())
+    try:
+        with Client(hosts, timeout=60) as client:
+            while client.monitor(queue)["size"]:
+                if query.exception() is not None:
+                    raise RuntimeError(f"the query failed: {query.exception()}")
+                time.sleep(0.05)
+        seconds = time.perf_counter() - start
+    finally:
+        query.stop()
+    return seconds, sum(p["numInputRows"] for p in query.recentProgress)
+
+
 def vote_id(hosts: str) -> int:
     with Client(hosts) as client:
         return client.monitor()["vote_id"]
+
+
+def source_runs(spark, hosts: str, args: argparse.Namespace, tmp: Path,
+                times: dict[str, list[float]]) -> None:
+    """The source's runs (see the module docstring): a warm-up of each side,
+    then --repeat runs per side, alternating; each drains a queue of its own
+    filled before it."""
+    runs = 0
+
+    def one(side: str, label: str) -> float:
+        nonlocal runs
+        runs += 1
+        queue = f"bench_source_{runs}"
+        fill(hosts, queue, args.source_rows)
+        epoch = vote_id(hosts)
+        if side == "client":
+            seconds, got = run_source_client(hosts, queue)
+        else:
+            seconds, got = run_source_spark(spark, hosts, queue, args.per_batch,
+                                            args.dead_letter_fields,
+                                            str(tmp / f"source-checkpoint-{runs}"))
+        changed = "  (the master changed)" if vote_id(hosts) != epoch else ""
+        extra = f", {got - args.source_rows} read twice" if got > args.source_rows else ""
+        print(f"  source {side:6} {label}: {args.source_rows / seconds:>9,.0f} rows/s "
+              f"({seconds:.2f} s{extra}){changed}", flush=True)
+        return seconds
+
+    for side in SOURCE_SIDES:
+        one(side, "warm-up")
+    for i in range(args.repeat):
+        for side in (SOURCE_SIDES if i % 2 == 0 else SOURCE_SIDES[::-1]):
+            times[side].append(one(side, f"run {i + 1}/{args.repeat}"))
 
 
 def _stats(values: list[float]) -> tuple[float, float, float]:
@@ -156,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", default="",
                    help="also time one task's write_rows with each of these numbers of batch "
                         "requests in flight, e.g. 1,2,4,8")
+    p.add_argument("--source-rows", type=int, default=50_000,
+                   help="messages per source run (default 50000; 0: no source runs)")
+    p.add_argument("--per-batch", type=int, default=10_000,
+                   help="the source's maxMessagesPerBatch (default 10000)")
+    p.add_argument("--dead-letter-fields", action="store_true",
+                   help="the source looks each message up for its dead-letter fields")
     args = p.parse_args(argv)
     windows = [int(w) for w in args.windows.split(",") if w.strip()]
 
@@ -167,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.master}{', dedup ids' if args.dedup else ''}", flush=True)
     signal.signal(signal.SIGTERM, _interrupted)
     times: dict[str, list[float]] = {side: [] for side in SIDES}
+    source_times: dict[str, list[float]] = {side: [] for side in SOURCE_SIDES}
     spark = None
     runs = 0
     with tempfile.TemporaryDirectory(prefix="qserver-spark-bench-") as tmp:
@@ -189,11 +298,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs += 1
                 return f"run{runs}-" if args.dedup else None
 
-            warm = {side: run_spark(df, hosts, "bench_warmup", side, tag()) for side in SIDES}
-            print("warmed up: " + ", ".join(f"{side} {args.rows / s:,.0f} rows/s"
-                                            for side, s in warm.items()), flush=True)
+            if args.rows:
+                warm = {side: run_spark(df, hosts, "bench_warmup", side, tag())
+                        for side in SIDES}
+                print("warmed up: " + ", ".join(f"{side} {args.rows / s:,.0f} rows/s"
+                                                for side, s in warm.items()), flush=True)
 
-            for i in range(args.repeat):
+            for i in range(args.repeat if args.rows else 0):
                 for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
                     epoch = vote_id(hosts)
                     seconds = run_spark(df, hosts, f"bench_{side}", side, tag())
@@ -215,10 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {w:>2} in flight, run {i + 1}/{args.repeat}: "
                           f"{args.rows / seconds:>9,.0f} rows/s ({seconds:.2f} s){changed}",
                           flush=True)
+            if args.source_rows:
+                source_runs(spark, hosts, args, Path(tmp), source_times)
             with Client(hosts) as client:
                 sizes = {side: client.monitor(f"bench_{side}")["size"] for side in SIDES}
             want = args.rows * args.repeat
-            for side, size in sizes.items():
+            for side, size in sizes.items() if args.rows else ():
                 if size < want:
                     print(f"bench_{side} holds {size} messages, expected {want}: rows were "
                           f"lost, the figures are not valid")
@@ -237,18 +350,32 @@ def main(argv: list[str] | None = None) -> int:
                 spark.stop()
             cluster.stop_all()
 
-    print()
     header = f"{'side':6} {'runs':>4} {'min rows/s':>11} {'median':>9} {'max':>9} {'ratio':>6}"
-    print(header)
-    print("-" * len(header))
-    medians = {}
-    for side in SIDES:
-        rates = [args.rows / s for s in times[side]]
-        lo, med, hi = _stats(rates)
-        medians[side] = med
-        ratio = f"{med / medians['single']:.2f}" if side == "batch" else ""
-        print(f"{side:6} {len(rates):>4} {lo:>11,.0f} {med:>9,.0f} {hi:>9,.0f} {ratio:>6}")
-    print(f"\nbatch / single (medians): {medians['batch'] / medians['single']:.2f}")
+    if args.rows:
+        print("\nthe sink: rows written per second")
+        print(header)
+        print("-" * len(header))
+        medians = {}
+        for side in SIDES:
+            rates = [args.rows / s for s in times[side]]
+            lo, med, hi = _stats(rates)
+            medians[side] = med
+            ratio = f"{med / medians['single']:.2f}" if side == "batch" else ""
+            print(f"{side:6} {len(rates):>4} {lo:>11,.0f} {med:>9,.0f} {hi:>9,.0f} {ratio:>6}")
+        print(f"\nbatch / single (medians): {medians['batch'] / medians['single']:.2f}")
+    if args.source_rows:
+        print(f"\nthe source: messages read and confirmed per second ({args.source_rows} per "
+              f"run, {args.per_batch} per micro-batch)")
+        print(header)
+        print("-" * len(header))
+        medians = {}
+        for side in SOURCE_SIDES:
+            rates = [args.source_rows / s for s in source_times[side]]
+            lo, med, hi = _stats(rates)
+            medians[side] = med
+            ratio = f"{med / medians['client']:.2f}" if side == "spark" else ""
+            print(f"{side:6} {len(rates):>4} {lo:>11,.0f} {med:>9,.0f} {hi:>9,.0f} {ratio:>6}")
+        print(f"\nspark / client (medians): {medians['spark'] / medians['client']:.2f}")
     if windows:
         print(f"\n{'in flight':>9} {'runs':>4} {'min rows/s':>11} {'median':>9} {'max':>9}")
         for w in windows:
