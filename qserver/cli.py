@@ -111,8 +111,6 @@ def _parser() -> argparse.ArgumentParser:
 def _local_cluster(paths: list[str], log_format: str = LOG_FORMATS[0]) -> int:
     """Start one `qserver run` per config, report the master, stop all on
     SIGINT/SIGTERM."""
-    import json
-    import socket
     import subprocess
     import time
 
@@ -131,11 +129,23 @@ def _local_cluster(paths: list[str], log_format: str = LOG_FORMATS[0]) -> int:
                                  stdout=subprocess.DEVNULL) for p in paths]
 
     def ask(cfg, request: dict) -> dict | None:
+        """One request to the node of `cfg`, with the token and TLS its own
+        configuration asks clients for (a token allowed the action; its CA,
+        and its own certificate where clients must present one)."""
+        from .client import Client
+
+        token = next((t.token for t in cfg.client_tokens if t.allows(request["action"])), None)
+        host = cfg.client_host if cfg.client_host not in ("0.0.0.0", "::") else "127.0.0.1"
+        tls = {}
+        if cfg.tls:
+            tls = {"tls": True, "tls_ca": cfg.tls_ca, "tls_server_hostname": cfg.client_host}
+            if cfg.tls_client_cert.value == "required":
+                tls.update(tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         try:
-            with socket.create_connection((cfg.host, cfg.port), timeout=1) as s:
-                s.sendall(json.dumps(request).encode())
-                return json.loads(s.makefile().readline())
-        except (OSError, ValueError):
+            with Client([(host, cfg.port)], timeout=1, retry_for=0, token=token,
+                        **tls) as client:
+                return client.request(request)
+        except (QServerClientError, OSError, ValueError):
             return None
 
     try:
@@ -159,11 +169,15 @@ def _local_cluster(paths: list[str], log_format: str = LOG_FORMATS[0]) -> int:
         print(f"master: node {leader['leader_node_id']} on "
               f"{leader['leader_host']}:{leader['leader_port']}")
         first = configs[0]
+        # The command as it was run (make run: .venv/bin/qserver), else the module.
+        me = sys.argv[0] if os.path.basename(sys.argv[0]) == "qserver" else (
+            f"{os.path.basename(sys.executable)} -m qserver")
+        extra = " --token TOKEN" if first.auth_required else ""
+        extra += " --tls --tls-ca CA" if first.tls else ""
+        last = configs[-1]
         print("try (any node answers; slaves forward to the master):")
-        print(f"  echo '{{\"action\":1,\"queue\":\"demo\",\"data\":\"hello\"}}' "
-              f"| nc -q1 {first.host} {first.port}")
-        print(f"  echo '{{\"action\":2,\"queue\":\"demo\"}}' "
-              f"| nc -q1 {configs[-1].host} {configs[-1].port}")
+        print(f"  {me} produce demo hello -s {first.client_host}:{first.port}{extra}")
+        print(f"  {me} consume demo -s {last.client_host}:{last.port}{extra}")
         if first.http_port:  # <http>: metrics and probes
             print(f"  curl http://{first.http_host}:{first.http_port}/metrics   "
                   f"(and /healthz, /readyz; every node with <http>)")

@@ -306,3 +306,26 @@ class Cluster:
                 return m
             time.sleep(0.05)
         raise TimeoutError("no master agreed on before the deadline")
+
+
+def read_until(proc: subprocess.Popen, text: bytes, deadline_s: float = START_DEADLINE_S) -> bytes:
+    """Read `proc`'s stdout until `text` appears; fail if it exits first."""
+    assert proc.stdout is not None
+    end = time.monotonic() + deadline_s
+    buf = b""
+    while text not in buf:
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {text!r} on stdout: {buf!r}")
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode}: {proc.communicate()}")
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            buf += os.read(proc.stdout.fileno(), 4096)
+    return buf
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    """SIGTERM, then the exit status and all of stderr."""
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err.decode()

@@ -25,10 +25,8 @@ import json
 import logging
 import os
 import re
-import select
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +36,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from procs import TcpClient, free_port, wait_until
+from procs import TcpClient, free_port, read_until, stop, wait_until
 from qserver.cli import WANTED_OPEN_FILES, _parser
 from qserver.config import Config, Engine, Fsync, Mode, load_config
 from qserver.logformat import JsonFormatter, iso_utc_ms
@@ -566,29 +564,6 @@ def check_json_lines(stderr: str, node_ids: set[int]) -> list[dict]:
         assert fields["node_id"] in node_ids
         records.append(fields)
     return records
-
-
-def read_until(proc: subprocess.Popen, text: bytes, deadline_s: float = START_DEADLINE_S) -> bytes:
-    """Read `proc`'s stdout until `text` appears; fail if it exits first."""
-    assert proc.stdout is not None
-    end = time.monotonic() + deadline_s
-    buf = b""
-    while text not in buf:
-        if time.monotonic() > end:
-            raise TimeoutError(f"no {text!r} on stdout: {buf!r}")
-        if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode}: {proc.communicate()}")
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            buf += os.read(proc.stdout.fileno(), 4096)
-    return buf
-
-
-def stop(proc: subprocess.Popen) -> tuple[int, str]:
-    """SIGTERM, then the exit status and all of stderr."""
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    return proc.returncode, err.decode()
 
 
 @pytest.mark.parametrize("log_format", ["json", "text"])
