@@ -65,6 +65,7 @@ what a consume would deliver now, in that order, without consuming.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections import deque
@@ -115,9 +116,10 @@ CONSUME_COUNT = 1000
 CONFIRMED_KEYS = 16
 
 
-def _key(offset: dict[str, Any]) -> str:
-    """An offset as Spark compares them (its JSON text)."""
-    return json.dumps(offset)
+def _key(offset: dict[str, Any]) -> bytes:
+    """An offset's identity: a digest of its JSON text, as Spark compares
+    offsets (an offset of 5,000 messages is some 125 KB of text)."""
+    return hashlib.blake2b(json.dumps(offset).encode(), digest_size=16).digest()
 
 
 def _client(opts: SourceOptions, hosts: Sequence[str]) -> Client:
@@ -179,11 +181,11 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
         self.opts = opts
         self._conn: Client | None = None
         # Consumed by this process and not confirmed, oldest first; keyed
-        # by the offset's JSON text (as Spark hands offsets back).
-        self._held: dict[str, BatchOffset] = {}
+        # by `_key` of the offset (as Spark hands offsets back).
+        self._held: dict[bytes, BatchOffset] = {}
         # The last batches confirmed (their keys): Spark's commit(end) of a
         # batch that read(start) confirmed already is not sent again.
-        self._confirmed: deque[str] = deque(maxlen=CONFIRMED_KEYS)
+        self._confirmed: deque[bytes] = deque(maxlen=CONFIRMED_KEYS)
         # Committed batches' messages whose confirms found no node: tried
         # again at the next call.
         self._unconfirmed: list[MessageRef] = []
@@ -229,6 +231,8 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
         end = offset.to_json()
         self._held[_key(end)] = offset
         batch = delivered_batch(messages, self._dead_letter_views(client, messages))
+        # A list's iterator: Spark's wrapper caches it and copies it
+        # (copy.copy) to hand the rows to the JVM; a generator cannot be copied.
         return iter([batch]), end
 
     def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[Any]:
