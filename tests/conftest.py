@@ -1,6 +1,6 @@
 import pytest
 
-from procs import NodeProcess, clients_closed_at_end, free_port, write_config
+from procs import Cluster, NodeProcess, clients_closed_at_end, free_port, write_config
 
 
 @pytest.fixture(autouse=True)
@@ -41,3 +41,21 @@ def procs():
 @pytest.fixture
 def node(procs, tmp_path):
     return procs(tmp_path)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Start local clusters of `qserver run` processes (`cluster(engine=...,
+    extra=...)` as procs.Cluster takes them, started and waited for); every
+    process is killed when the test ends."""
+    clusters: list[Cluster] = []
+
+    def make(**kw) -> Cluster:
+        c = Cluster(tmp_path, **kw)
+        clusters.append(c)
+        c.start_all()
+        return c
+
+    yield make
+    for c in clusters:
+        c.stop_all()

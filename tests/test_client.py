@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from procs import Cluster, NodeProcess, free_port, wait_until, write_config
+from procs import NodeProcess, free_port, wait_until, write_config
 from qserver.client import (
     AsyncClient,
     Client,
@@ -335,21 +335,6 @@ def test_async_client(node):
 
 
 # -- three-node clusters ---------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    clusters: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        clusters.append(c)
-        c.start_all()
-        return c
-
-    yield make
-    for c in clusters:
-        c.stop_all()
 
 
 def drain(hosts: list[str], queue: str) -> dict[int, str]:

@@ -21,7 +21,7 @@ import time
 import orjson
 import pytest
 
-from procs import Cluster, wait_until
+from procs import wait_until
 from qserver.client import (
     BATCH_MAX_BYTES,
     MAX_BATCH,
@@ -654,21 +654,6 @@ def test_async_client(node):
 
 
 # -- three nodes: through a slave ------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    clusters: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        clusters.append(c)
-        c.start_all()
-        return c
-
-    yield make
-    for c in clusters:
-        c.stop_all()
 
 
 @pytest.mark.parametrize("engine", ["native", "raft"])

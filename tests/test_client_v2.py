@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from procs import Cluster, wait_until
+from procs import wait_until
 from qserver.client import (
     LONG_POLL_S,
     AsyncClient,
@@ -766,21 +766,6 @@ def test_async_client_v2(node):
 
 
 # -- three nodes ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    clusters: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        clusters.append(c)
-        c.start_all()
-        return c
-
-    yield make
-    for c in clusters:
-        c.stop_all()
 
 
 @pytest.mark.parametrize("engine", ["native", "raft"])

@@ -18,21 +18,6 @@ DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
 ENGINES = ["native", "raft"]
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    clusters: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        c = Cluster(tmp_path, **kw)
-        clusters.append(c)
-        c.start_all()
-        return c
-
-    yield make
-    for c in clusters:
-        c.stop_all()
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_slaves_forward_tcp_and_udp_to_the_master(cluster, engine):
     c = cluster(engine=engine)
