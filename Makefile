@@ -3,31 +3,39 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# make run installs what the daemon needs; make test adds the test tools and
+# Spark (pyspark, pyarrow): a node needs neither.
+STAMP_RUN := $(VENV)/.installed-run
+STAMP_TEST := $(VENV)/.installed-test
 
 .PHONY: run single test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP_RUN): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,spark]'
-	touch $(STAMP)
+	$(PIP) -e .
+	touch $(STAMP_RUN)
+
+$(STAMP_TEST): $(STAMP_RUN)
+	$(PIP) -e '.[test,spark]'
+	touch $(STAMP_TEST)
 
 ## run: the local three-node cluster (config/node1.xml to node3.xml); Ctrl-C stops all three
-run: $(STAMP)
+run: $(STAMP_RUN)
 	$(VENV)/bin/qserver local-cluster
 
 ## single: one node on 127.0.0.1:1111 (no config file needed; CONFIG=file for another)
-single: $(STAMP)
+single: $(STAMP_RUN)
 	$(VENV)/bin/qserver run $(if $(CONFIG),--config $(CONFIG))
 
 ## test: lint (ruff), types (mypy), then the whole test suite; settings in pyproject.toml
-test: $(STAMP)
+test: $(STAMP_TEST)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest
 
 ## bench: throughput and latency of one node against the no-op floor
-bench: $(STAMP)
+bench: $(STAMP_TEST)
 	$(PY) bench/run_bench.py
 
 clean:
