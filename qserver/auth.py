@@ -18,7 +18,7 @@ sees it:
   that field alone, even on an authenticated connection. This is the only
   way over UDP, where there is no connection.
 - Everything else is answered code -1 with a reason that starts with
-  "unauthorized" (protocol-v2) and never reaches the service: it changes
+  "unauthorized" (README, Authentication and TLS) and never reaches the service: it changes
   nothing.
 
 The `token` field is taken out of every request (`dict.pop`) before
@@ -60,7 +60,7 @@ from .config import ACTION_NAMES, ClientToken
 
 __all__ = ["Guard", "FailureLog", "UNAUTHORIZED", "AUTH_ACTION", "LOG_BURST", "LOG_WINDOW_MS"]
 
-# The reason protocol-v2 fixes for every refusal; the words after it only
+# The reason the protocol fixes for every refusal; the words after it only
 # explain (clients test `reason.startswith(UNAUTHORIZED)`).
 UNAUTHORIZED = "unauthorized"
 AUTH_ACTION = 0

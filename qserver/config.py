@@ -5,7 +5,7 @@ Every setting has a default; a single node needs only `<node_info>`, and
 `Config.default()` (no file at all) is one node on 127.0.0.1:1111. Every
 error names the file, the element and what is wrong (`ConfigError`).
 
-XML elements (design.md section 4; cluster.xml.example documents each):
+XML elements (README, Configuration; cluster.xml.example documents each):
 
     <log prefix="qserver" level="5"/>
     <node_info node_type="10" node_id="1" host="127.0.0.1" port="1111"/>
@@ -113,7 +113,7 @@ class Fsync(enum.Enum):
 
 # fsync=batch, both engines (and a native master whose slaves make the
 # majority): how long written records wait at most before their fsync
-# starts (design.md: "batch within a few milliseconds").
+# starts ("batch within a few milliseconds": README, Storage).
 BATCH_SYNC_MS = 5
 
 

@@ -101,13 +101,13 @@ MAX_TIME_S = 253_402_300_799
 # The memcached convention: a time below this is seconds relative to now.
 RELATIVE_TIME_LIMIT_S = 1_000_000_000
 
-# Messages one consume or peek returns at most (protocol-v2: Disque's and
+# Messages one consume or peek returns at most (README, Protocol: Disque's and
 # SQS's batches are smaller; 1,000 keeps an answer of 1 KB messages ~1 MB).
 MAX_COUNT = 1000
 # The largest max_deliveries setting: a message delivered this often is
 # surely poison, and a bound keeps the value sane.
 MAX_DELIVERIES = 1_000_000
-# Queues one consume may name (protocol-v2).
+# Queues one consume may name (README, Protocol).
 MAX_QUEUES = 16
 # A receipt we hand out is three integers and two dots: far below this.
 MAX_RECEIPT = 64
@@ -118,7 +118,7 @@ DEFAULT_PRIORITY = 1024
 # A dedup id: long enough for a UUID, a hash or "order-id:version" keys
 # (SQS takes 128 characters too).
 MAX_DEDUP_ID = 128
-# Messages in one batch produce (protocol-v2: one log entry).
+# Messages in one batch produce (README, Batch produce: one log entry).
 MAX_BATCH = 1000
 # The largest per-queue max_size (as <queue_config queue_size>).
 MAX_QUEUE_SIZE = 2**40

@@ -80,7 +80,7 @@ __all__ = [
 # as few requests, and the master appends as few log entries, as it can.
 DEFAULT_BATCH_SIZE = 1000
 
-# The server's limit on the messages of one batch produce (spec15: a
+# The server's limit on the messages of one batch produce (README, Batch produce: a
 # `messages` list holds 1 to 1000).
 MAX_BATCH_MESSAGES = 1000
 
@@ -88,7 +88,7 @@ MAX_BATCH_MESSAGES = 1000
 # before) and costs memory.
 MAX_BATCH_SIZE = 100_000
 
-# The server's bounds (spec15): a priority is 0 .. 2^31-1, a dedup_id 1 to
+# The server's bounds (README, Protocol): a priority is 0 .. 2^31-1, a dedup_id 1 to
 # 128 characters.
 MAX_PRIORITY = 2**31 - 1
 MAX_DEDUP_ID = 128

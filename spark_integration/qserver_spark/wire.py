@@ -42,7 +42,7 @@ from .options import MAX_BATCH_MESSAGES
 __all__ = ["BatchBuilder", "single_requests", "count_answers", "rows_of", "MAX_REQUEST_BYTES"]
 
 # The largest encoded batch request: the server's default max_request_size
-# is 1 MiB (spec15); 900 KB leaves room for the envelope, the seq, and a
+# is 1 MiB (README, Configuration); 900 KB leaves room for the envelope, the seq, and a
 # node configured a little lower.
 MAX_REQUEST_BYTES = 900_000
 
