@@ -9,15 +9,16 @@ or stopped on a fatal error (a broken invariant, a bug, a failed write or
 fsync: one CRITICAL log line names it, and the process ends at once).
 A second SIGINT/SIGTERM during shutdown forces the exit.
 
-Client commands, against any node (`-s HOST:PORT`, repeatable; default
-127.0.0.1:1111), through `qserver.client.Client`:
+Client commands, against any node (`-s HOST:PORT`, repeatable or
+comma-separated; default $QSERVER_SERVERS, else 127.0.0.1:1111), through
+`qserver.client.Client`:
 
-    qserver produce QUEUE DATA [--delay S] [--ttl S] [--retry S] [--priority N] [--dedup-id ID]
-    qserver produce QUEUE - [--delay S] [--ttl S] [--retry S] [--priority N]
-    qserver consume QUEUE [QUEUE ...] [--count N] [--wait S] [--lease S] [--ack]
+    qserver produce QUEUE DATA [--delay T] [--ttl T] [--retry D] [--priority N] [--dedup-id ID]
+    qserver produce QUEUE - [--delay T] [--ttl T] [--retry D] [--priority N]
+    qserver consume QUEUE [QUEUE ...] [--count N] [--wait D] [--lease D] [--ack]
     qserver confirm QUEUE MSG_ID [--receipt R]
-    qserver nack QUEUE MSG_ID [--receipt R] [--delay S]
-    qserver touch QUEUE MSG_ID [--receipt R] [--lease S]
+    qserver nack QUEUE MSG_ID [--receipt R] [--delay T]
+    qserver touch QUEUE MSG_ID [--receipt R] [--lease D]
     qserver show QUEUE MSG_ID
     qserver peek QUEUE [--count N]
     qserver config QUEUE [KEY=VALUE ...]
@@ -32,12 +33,24 @@ Client commands, against any node (`-s HOST:PORT`, repeatable; default
     qserver drain [--undo]
     qserver transfer-leader NODE_ID
 
+The client options (-s, --json, --timeout, --retry-for, the token and TLS
+options) go before the command or after it; the command line wins over
+$QSERVER_SERVERS and $QSERVER_TIMEOUT (seconds, as the client reads them).
+A duration D is `30s`, `5m`, `2h`, `1d`, `1.5s`, `250ms`, `1h30m` or plain
+seconds; a time T is a duration from now, a plain number as the protocol
+takes it (from 1,000,000,000 on an absolute unix time), or an ISO 8601
+time with Z or an offset (one without a zone is refused). `qserver
+--version` prints the package's version.
+
 Output is for people by default, JSON with `--json`. Exit status: 0 on
 success (an empty consume or peek included), 1 on a server or connection
 error (one line on stderr: a stale receipt, a message not in flight, a show
 of a message that is not there), 2 for bad usage. `status` asks every given
-node for its own view (action 104) and exits 1 if one of them does not
-answer. `health` asks every given node whether it is ready for clients
+node for its own view (action 104; with one node given, also its master
+and the slaves the master gives addresses of) and exits 1 if one of them
+does not answer; each node's address is the one its answer gives.
+`monitor` prints nested fields as `snapshot.taken` rows and the slaves as
+a table. `health` asks every given node whether it is ready for clients
 (action 109) and prints why not; it exits 0 when every one is ready, 1 when
 one is not or does not answer (a probe for sites without HTTP). `drain`
 takes the one node given out of client work (a master first hands its role
@@ -49,8 +62,8 @@ hands the master role to NODE_ID.
 msg_id, data); with `--count N` it lists up to N messages with their
 delivery count and receipt (JSON: a list of {queue, msg_id, data,
 deliveries, receipt}), which `confirm`, `nack` and `touch` take with
-`--receipt` (use `--count 1` for one message and its receipt). `--wait S`
-is a long poll, `--lease S` the seconds before an unconfirmed delivery comes
+`--receipt` (use `--count 1` for one message and its receipt). `--wait D`
+is a long poll, `--lease D` the time before an unconfirmed delivery comes
 back, `--ack` confirms each message with its receipt once printed. `config`
 without KEY=VALUE prints the queue's settings; with them it changes them
 (values: integers as integers, decimals as numbers, an empty value as none,
@@ -70,11 +83,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
+import math
 import os
 import re
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from .config import Config, load_config, log_level
@@ -86,7 +102,13 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qserver", description="qserver: a replicated message queue")
+    p = argparse.ArgumentParser(
+        prog="qserver", description="qserver: a replicated message queue",
+        parents=[_client_option_parser(SERVERS_BEFORE)],
+        epilog="The client commands' options (-s, --json, --timeout, --retry-for, the token "
+               "and TLS options) go before the command or after it. Durations: "
+               f"{DURATION_HELP}.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a node")
     run.add_argument("--config", metavar="FILE",
@@ -106,6 +128,34 @@ def _parser() -> argparse.ArgumentParser:
                       help="the nodes' log format: text (default) or json")
     _add_client_commands(sub)
     return p
+
+
+def _version() -> str:
+    """The installed package's version; qserver.__version__ when run from a
+    checkout that is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qserver")
+    except PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; the client options are refused before `run` and
+    `local-cluster` (their defaults are _apply_client_defaults' to fill in).
+    Exits 2 on bad usage, as argparse does."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command not in CLIENT_COMMANDS:
+        given = sorted(dest for dest in (*CLIENT_DEFAULTS, "timeout", SERVERS_BEFORE)
+                       if dest in vars(args))
+        if given:
+            names = [action.option_strings[-1] for action in parser._actions
+                     if action.dest in given]
+            parser.error(f"{', '.join(names)}: for the client commands, not {args.command}")
+    return args
 
 
 def _local_cluster(paths: list[str], log_format: str = LOG_FORMATS[0]) -> int:
@@ -215,28 +265,68 @@ CLIENT_COMMANDS = ("produce", "consume", "confirm", "nack", "touch", "show", "pe
 STDIN_BATCH = 1000
 
 
+# The environment variables the client commands read, as the client does
+# (README, "Python client"): a comma-separated HOST:PORT list, the default
+# of -s; the default of --timeout. The command line wins over both.
+SERVERS_ENV = "QSERVER_SERVERS"
+TIMEOUT_ENV = "QSERVER_TIMEOUT"
+
+# --timeout without the option or QSERVER_TIMEOUT: the client's own default.
+CLI_TIMEOUT_S = 5.0
+
+# The client options' values when neither copy of an option was given
+# (_client_option_parser: both copies leave a missing option out).
+# `server` and `timeout` are filled from the environment first.
+CLIENT_DEFAULTS: dict[str, Any] = {
+    "json": False, "retry_for": CLI_RETRY_FOR_S, "token": None, "token_file": None,
+    "tls": False, "tls_ca": None, "tls_cert": None, "tls_key": None,
+    "tls_server_hostname": None}
+
+# Where -s values given before the command collect; those after it collect
+# in `server`, and _apply_client_defaults joins the two in order.
+SERVERS_BEFORE = "servers_before"
+
+DURATION_HELP = "30s, 5m, 2h, 1d, 1.5s, 250ms, 1h30m, or plain seconds"
+WHEN_HELP = ("a duration from now (" + DURATION_HELP + "; a plain number of at least "
+             "1000000000 is an absolute unix time), or an ISO 8601 time with Z or an "
+             "offset (2026-11-25T08:00:00Z)")
+
+
+def _client_option_parser(server_dest: str) -> argparse.ArgumentParser:
+    """The client commands' own options, as a parent parser: added to the
+    main parser (before the command) and to each client command's parser
+    (after it). Every option defaults to SUPPRESS, so that a copy not
+    given leaves no attribute and cannot overwrite, with its default, what
+    the other copy was given (argparse copies a command's namespace over
+    the main one); _apply_client_defaults fills in the rest."""
+    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    p.add_argument("-s", "--server", action="append", dest=server_dest, metavar="HOST:PORT",
+                   help=f"a node to ask; repeat, or separate with commas, for several "
+                        f"(default ${SERVERS_ENV}, else {DEFAULT_SERVER})")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    p.add_argument("--timeout", type=_duration, metavar="DURATION",
+                   help=f"how long a node may stay silent (default ${TIMEOUT_ENV}, "
+                        f"else {CLI_TIMEOUT_S:g}s)")
+    p.add_argument("--retry-for", type=_duration, metavar="DURATION",
+                   help=f"how long to retry other nodes or wait for a master "
+                        f"(default {CLI_RETRY_FOR_S:g}s)")
+    _add_security_options(p)
+    return p
+
+
 def _add_client_commands(sub) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-s", "--server", action="append", metavar="HOST:PORT",
-                        help=f"a node to ask; repeat for several (default {DEFAULT_SERVER})")
-    common.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    common.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                        help="seconds a node may stay silent (default 5)")
-    common.add_argument("--retry-for", type=float, default=CLI_RETRY_FOR_S, metavar="S",
-                        help=f"seconds to retry other nodes or wait for a master "
-                             f"(default {CLI_RETRY_FOR_S:g})")
-    _add_security_options(common)
+    common = _client_option_parser("server")
     produce = sub.add_parser("produce", parents=[common],
                              help="produce a message (DATA), or one per line of stdin (-)")
     produce.add_argument("queue")
     produce.add_argument("data", help="the message, or - to read one message per line "
                                       "from stdin (sent in batches of up to 1,000)")
-    produce.add_argument("--delay", type=float, metavar="S",
-                         help="seconds from now (or an absolute unix time) before it is ready")
-    produce.add_argument("--ttl", type=float, metavar="S",
-                         help="seconds from now (or an absolute unix time) it lives")
-    produce.add_argument("--retry", type=float, default=0, metavar="S",
-                         help="redeliver S seconds after each consume until confirmed "
+    produce.add_argument("--delay", type=_when_arg, metavar="WHEN",
+                         help=f"when it becomes ready: {WHEN_HELP}")
+    produce.add_argument("--ttl", type=_when_arg, metavar="WHEN",
+                         help="when it stops living (default: delay + 1h); the same forms")
+    produce.add_argument("--retry", type=_duration, default=0, metavar="DURATION",
+                         help="redeliver this long after each consume until confirmed "
                               "(default 0: at most once)")
     produce.add_argument("--priority", type=int, metavar="N",
                          help="0 to 2147483647, lower first (default 1024)")
@@ -249,10 +339,10 @@ def _add_client_commands(sub) -> None:
                          help="a queue, or several: the first one that has a message")
     consume.add_argument("--count", type=int, metavar="N",
                          help="up to N messages, listed with their receipts")
-    consume.add_argument("--wait", type=float, metavar="S",
-                         help="wait up to S seconds for a message (a long poll)")
-    consume.add_argument("--lease", type=float, metavar="S",
-                         help="an unconfirmed delivery comes back after S seconds "
+    consume.add_argument("--wait", type=_duration, metavar="DURATION",
+                         help="wait up to this long for a message (a long poll)")
+    consume.add_argument("--lease", type=_duration, metavar="DURATION",
+                         help="an unconfirmed delivery comes back after this long "
                               "(default: the message's retry)")
     consume.add_argument("--ack", action="store_true",
                          help="confirm each message, with its receipt, once printed")
@@ -267,16 +357,15 @@ def _add_client_commands(sub) -> None:
     nack.add_argument("queue")
     nack.add_argument("msg_id", type=int)
     nack.add_argument("--receipt", metavar="R", help=receipt_help)
-    nack.add_argument("--delay", type=float, metavar="S",
-                      help="seconds from now (or an absolute unix time) before it is "
-                           "deliverable again (default 0)")
+    nack.add_argument("--delay", type=_when_arg, metavar="WHEN",
+                      help=f"when it is deliverable again (default now): {WHEN_HELP}")
     touch = sub.add_parser("touch", parents=[common],
                            help="extend the lease of a consumed message")
     touch.add_argument("queue")
     touch.add_argument("msg_id", type=int)
     touch.add_argument("--receipt", metavar="R", help=receipt_help)
-    touch.add_argument("--lease", type=float, metavar="S",
-                       help="it comes back S seconds from now unless confirmed "
+    touch.add_argument("--lease", type=_duration, metavar="DURATION",
+                       help="it comes back this long from now unless confirmed "
                             "(default: the message's retry)")
     show = sub.add_parser("show", parents=[common], help="a message's state, data and counts")
     show.add_argument("queue")
@@ -370,16 +459,137 @@ def _client_options(args) -> dict[str, Any]:
             "tls_key": args.tls_key, "tls_server_hostname": args.tls_server_hostname}
 
 
+def _apply_client_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill in the client options neither copy was given (_client_option_parser):
+    `timeout` from $QSERVER_TIMEOUT (seconds), else CLI_TIMEOUT_S; the rest from
+    CLIENT_DEFAULTS. Sets `addresses`: the -s values, before the command
+    then after it, else $QSERVER_SERVERS, else DEFAULT_SERVER, each value
+    split at commas. Raises InvalidArgument naming the option or variable."""
+    from .client import parse_hosts
+
+    for dest, value in CLIENT_DEFAULTS.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, value)
+    if not hasattr(args, "timeout"):
+        # Read as the client reads it (plain seconds): one value works for
+        # both, where "30s" would break the programs that share it.
+        text = environ.get(TIMEOUT_ENV, "").strip()
+        args.timeout = CLI_TIMEOUT_S
+        if text:
+            try:
+                args.timeout = float(text)
+            except ValueError:
+                args.timeout = math.nan
+            if not math.isfinite(args.timeout) or args.timeout <= 0:
+                raise InvalidArgument(f"${TIMEOUT_ENV}={text!r}: not a number of seconds > 0")
+    given = [*getattr(args, SERVERS_BEFORE, ()), *getattr(args, "server", ())]
+    source = "-s"
+    if not given and environ.get(SERVERS_ENV, "").strip():
+        given, source = [environ[SERVERS_ENV]], f"${SERVERS_ENV}"
+    items = [item for text in given for item in text.split(",") if item.strip()]
+    if given and not items:
+        raise InvalidArgument(f"{source}: no HOST:PORT in {', '.join(map(repr, given))}")
+    try:
+        args.addresses = parse_hosts(items or [DEFAULT_SERVER])
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{source}: {exc}") from None
+
+
+# -- durations and times -----------------------------------------------------------
+
+# Seconds in a unit of a duration's text: 30s, 5m, 2h, 1d, 250ms, 1h30m.
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)"
+_DURATION = re.compile(f"(?:{_DURATION_PART})+", re.ASCII)
+# A value that starts with a date is read as an ISO 8601 time.
+_ISO_DATE = re.compile(r"\d{4}-\d\d-\d\d", re.ASCII)
+# The protocol's boundary (README, "Time and delivery"): delay and ttl
+# below it are seconds from now, from it on absolute unix times. As
+# qserver.client.core.ABSOLUTE_TIME_FROM, not imported: `run` does not load
+# the client.
+ABSOLUTE_TIME_FROM_S = 1_000_000_000
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration: a number with units (`30s`, `5m`, `2h`,
+    `1d`, `1.5s`, `250ms`, `1h30m`: lower case, no sign) or a plain number
+    of seconds (`90`, `1.5`, `-1`: as float() reads it, but finite).
+    Raises ValueError saying what is accepted."""
+    text = text.strip()
+    if _DURATION.fullmatch(text):
+        return sum(float(n) * _UNIT_S[unit]
+                   for n, unit in re.findall(_DURATION_PART, text, re.ASCII))
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration ({DURATION_HELP})") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is not a finite number of seconds")
+    return seconds
+
+
+def parse_when(text: str) -> float | datetime.timedelta | datetime.datetime:
+    """--delay and --ttl: a plain number as the protocol takes it (seconds
+    from now below 1,000,000,000, an absolute unix time from there on); a
+    duration with units, from now (a timedelta, which the client adds to
+    its clock); or an ISO 8601 time, `2026-11-25T08:00:00Z` or with an
+    offset (`+01:00`), as an aware datetime. A time without a zone is
+    refused rather than guessed: read as local or as UTC, a guess would be
+    hours wrong for someone. Raises ValueError."""
+    text = text.strip()
+    if _ISO_DATE.match(text):
+        try:
+            when = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an ISO 8601 time "
+                             f"(2026-11-25T08:00:00Z, or +01:00 for an offset)") from None
+        if when.tzinfo is None or when.utcoffset() is None:
+            raise ValueError(f"{text!r} has no time zone: add Z for UTC or an offset "
+                             f"such as +01:00")
+        if when.timestamp() < ABSOLUTE_TIME_FROM_S:
+            raise ValueError(f"{text!r} is before 2001-09-09T01:46:40Z, which the protocol "
+                             f"cannot take as a time")
+        return when
+    if _DURATION.fullmatch(text):
+        seconds = parse_duration(text)
+        if seconds >= ABSOLUTE_TIME_FROM_S:
+            raise ValueError(f"{text!r} is too far ahead (more than 31 years): "
+                             f"give an ISO 8601 time")
+        return datetime.timedelta(seconds=seconds)
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a duration ({DURATION_HELP}) nor an ISO "
+                         f"8601 time (2026-11-25T08:00:00Z)") from None
+
+
+def _duration(text: str) -> float:
+    """argparse's type for a duration option (its error names the option)."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _when_arg(text: str) -> float | datetime.timedelta | datetime.datetime:
+    """argparse's type for --delay and --ttl."""
+    try:
+        return parse_when(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _Failure(Exception):
     """A command's outcome that exits 1 with this one line on stderr (a show
     of a message that is not there)."""
 
 
 def _client_main(args) -> int:
-    from .client import Client, parse_hosts
+    from .client import Client
 
     try:
-        servers = parse_hosts(args.server or [DEFAULT_SERVER])
+        _apply_client_defaults(args, os.environ)
+        servers = args.addresses
         if args.command == "status":
             return _status(servers, args)
         if args.command == "health":
@@ -526,7 +736,6 @@ def _cmd_confirm(client, args) -> tuple[object, str]:
 
 def _when(unix_s: float) -> str:
     """A unix time for people: local date and time, and how far from now."""
-    import datetime
     import time
 
     if not unix_s:
@@ -617,18 +826,74 @@ def _cmd_config(client, args) -> tuple[object, str]:
 
 def _cmd_monitor(client, args) -> tuple[object, str]:
     info = client.monitor(args.queue)
-    slaves = info.get("slaves")
-    width = max(map(len, info), default=0)
-    lines = [f"{key:<{width}}  {value}" for key, value in info.items() if key != "slaves"]
-    if args.queue is not None:
-        lines.insert(0, f"{'queue':<{width}}  {args.queue}")
-    if slaves:
-        lines.append("slaves:")
-        lines.extend("  " + line for line in _table(
-            ["NODE", "MATCH_ID", "LAG", "CONNECTED"],
-            [[s.get("node_id"), s.get("match_id"), s.get("lag"),
-              "yes" if s.get("connected") else "no"] for s in slaves]))
-    return info, "\n".join(lines)
+    head = {"queue": args.queue} if args.queue is not None else {}
+    return info, "\n".join(_field_lines({**head, **info}))
+
+
+def _field_lines(info: dict) -> list[str]:
+    """A JSON object for people: one `key  value` row per scalar; then a
+    nested object's fields as `key.field` rows (`snapshot.taken  12`); then
+    each list of objects as a table (`slaves:`; a slave's address where
+    the master gives it). None prints as -, booleans as yes/no, a list of
+    scalars joined with commas (- when empty)."""
+    rows: list[tuple[str, str]] = []
+    nested: list[tuple[str, str]] = []
+    tables: list[str] = []
+
+    def walk(prefix: str, obj: dict, out: list[tuple[str, str]]) -> None:
+        for key, value in obj.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(f"{name}.", value, nested)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                tables.append(f"{name}:")
+                tables.extend("  " + line for line in _object_table(name, value))
+            else:
+                out.append((name, _cell(value)))
+
+    walk("", info, rows)
+    rows += nested
+    width = max((len(name) for name, _ in rows), default=0)
+    return [f"{name:<{width}}  {value}".rstrip() for name, value in rows] + tables
+
+
+def _cell(value: object) -> str:
+    """One value of a row or a table's cell, for people."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(_cell, value)) or "-"
+    if isinstance(value, dict):  # inside a table's row: key=value pairs
+        return " ".join(f"{k}={_cell(v)}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def _object_table(name: str, items: list[dict]) -> list[str]:
+    """A table of objects: their keys, in the order first seen, as the
+    columns. The master's `slaves` begin with NODE and, where its entries
+    carry host and port, ADDRESS."""
+    columns = list(dict.fromkeys(key for item in items for key in item))
+    cells = [{**item} for item in items]
+    if name == "slaves":
+        for item in cells:
+            if "host" in item or "port" in item:
+                item["address"] = _address_text(item.pop("host", None), item.pop("port", None))
+        columns = [c for c in columns if c not in ("host", "port")]
+        if any("address" in item for item in cells):
+            columns.insert(1 if "node_id" in columns else 0, "address")
+    headers = ["NODE" if c == "node_id" else c.upper() for c in columns]
+    return _table(headers, [[_cell(item.get(c)) if c in item else None for c in columns]
+                            for item in cells])
+
+
+def _address_text(host: object, port: object) -> str | None:
+    """host:port ([host]:port for an IPv6 literal); None if either is missing."""
+    if host is None or port is None:
+        return None
+    host = str(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _cmd_list(client, args) -> tuple[object, str]:
@@ -691,10 +956,15 @@ STATUS_FIELDS = ("node_id", "role", "leader_node_id", "vote_id", "trans_id", "co
 
 
 def _status(servers: list[tuple[str, int]], args) -> int:
-    """Ask every node for its own state (104); with one node given, also
-    the master it names (8). The master's `slaves` list adds the lag of each
-    node, and the nodes it knows that were not asked (without an address:
-    the master does not report slaves' client addresses)."""
+    """Ask every given node for its own state (104). With one node given,
+    also the master it names (8) and every slave the master lists with an
+    address (its `slaves` entries carry host and port where the engine
+    knows them); the slaves it lists without one get a row from its view,
+    "(not asked)". A row's address is where clients reach the node, from
+    its own answer (host and port; `asked`: the address dialed, shown
+    after "via" where it differs); a node that did not answer keeps the
+    address it was asked at, and one that answers nothing makes the exit
+    status 1. The lag is the master's view."""
     from .client import Client
     from .client.core import server_error
     from .errors import Unauthorized
@@ -716,38 +986,61 @@ def _status(servers: list[tuple[str, int]], args) -> int:
             raise error
         return None
 
-    addresses = list(dict.fromkeys(servers))
-    views = {address: ask(address, {"action": 104}) for address in addresses}
-    if len(addresses) == 1:
-        leader = ask(addresses[0], {"action": 8})
-        if leader is not None:
-            leader_address = (leader["leader_host"], leader["leader_port"])
-            if leader_address not in views:
-                addresses.append(leader_address)
-                views[leader_address] = ask(leader_address, {"action": 104})
+    views: dict[tuple[str, int], dict | None] = {}
+
+    def visit(address: tuple[str, int]) -> None:
+        if address not in views:
+            views[address] = ask(address, {"action": 104})
+
+    given = list(dict.fromkeys(servers))
+    for address in given:
+        visit(address)
+    learn = len(given) == 1  # one node given: the others are learnt from the master
+    if learn:
+        leader = ask(given[0], {"action": 8}) or {}
+        host, port = leader.get("leader_host"), leader.get("leader_port")
+        if isinstance(host, str) and isinstance(port, int):
+            visit((host, port))
+        master = _master_view(views)
+        if master is not None:
+            reached = {v.get("node_id") for v in views.values() if v is not None}
+            for slave in master.get("slaves", []):
+                if (slave.get("node_id") not in reached and isinstance(slave.get("host"), str)
+                        and isinstance(slave.get("port"), int)):
+                    visit((slave["host"], slave["port"]))
+    master = _master_view(views)
+
     rows: list[dict[str, Any]] = []
-    for address in addresses:
-        view = views[address]
-        row: dict[str, Any] = {"address": f"{address[0]}:{address[1]}",
-                               "reachable": view is not None}
+    reached_ids: set[object] = set()
+    for address, view in views.items():
+        asked = _address_text(*address)
+        if view is not None:
+            if view.get("node_id") in reached_ids:  # the same node under two addresses
+                continue
+            reached_ids.add(view.get("node_id"))
+        row: dict[str, Any] = {
+            "address": (view and _address_text(view.get("host"), view.get("port"))) or asked,
+            "asked": asked, "reachable": view is not None}
         row.update({key: (view or {}).get(key) for key in STATUS_FIELDS})
         if view is None:
             row["role"] = "down"
         rows.append(row)
-    masters = [v for a in addresses if (v := views[a]) and v.get("role") == "master"]
-    # The master's own view; with several (a stale one after a partition),
-    # the one of the highest vote_id.
-    master = max(masters, key=lambda v: v.get("vote_id", 0)) if masters else None
-    reached = {row["node_id"] for row in rows if row["node_id"] is not None}
     lag_by_node = {}
     if master is not None:
         lag_by_node[master["node_id"]] = 0
+        silent = {row["address"]: row for row in rows if row["reachable"] is False}
         for slave in master.get("slaves", []):
             lag_by_node[slave["node_id"]] = slave.get("lag")
-            # Only when one node was given: the others' rows would be
-            # duplicates of the given nodes that did not answer.
-            if len(servers) == 1 and slave["node_id"] not in reached:
-                rows.append({"address": None, "reachable": None, "node_id": slave["node_id"],
+            if slave["node_id"] in reached_ids:
+                continue
+            listed = _address_text(slave.get("host"), slave.get("port"))
+            if listed in silent:  # asked and silent: the master says which node it is
+                silent[listed]["node_id"] = slave["node_id"]
+            elif learn and listed is None:
+                # Only when one node was given: with several, a row here
+                # would duplicate a given node that did not answer.
+                rows.append({"address": None, "asked": None, "reachable": None,
+                             "node_id": slave["node_id"],
                              "role": "slave" if slave.get("connected") else "disconnected",
                              "leader_node_id": master["node_id"], "vote_id": None,
                              "trans_id": None, "commit_id": None})
@@ -757,16 +1050,31 @@ def _status(servers: list[tuple[str, int]], args) -> int:
         if lag is None and row["trans_id"] is not None and newest is not None:
             lag = newest - row["trans_id"]  # no master view: behind the most advanced node
         row["lag"] = lag
+
+    def where(row: dict) -> str:
+        if row["address"] is None:
+            return "(not asked)"
+        if row["asked"] not in (None, row["address"]):
+            return f"{row['address']} via {row['asked']}"
+        return row["address"]
+
     text = "\n".join(_table(
         ["NODE", "ADDRESS", "ROLE", "LEADER", "VOTE_ID", "TRANS_ID", "COMMIT_ID", "LAG"],
-        [[r["node_id"], r["address"] or "(not given)", r["role"], r["leader_node_id"],
+        [[r["node_id"], where(r), r["role"], r["leader_node_id"],
           r["vote_id"], r["trans_id"], r["commit_id"], r["lag"]] for r in rows]))
     _emit(args, rows, text)
-    down = [row["address"] for row in rows if row["reachable"] is False]
+    down = [row["asked"] for row in rows if row["reachable"] is False]
     if down:
         print(f"qserver: no answer from {', '.join(down)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _master_view(views: dict[tuple[str, int], dict | None]) -> dict | None:
+    """The master's own view among the answers; with several (a stale one
+    after a partition), the one of the highest vote_id."""
+    masters = [v for v in views.values() if v is not None and v.get("role") == "master"]
+    return max(masters, key=lambda v: v.get("vote_id", 0)) if masters else None
 
 
 HEALTH_FIELDS = ("role", "leader_node_id", "applied_id", "commit_id", "master_commit_id")
@@ -882,7 +1190,7 @@ async def _run(config: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.command in CLIENT_COMMANDS:
         return _client_main(args)
     if args.command == "local-cluster":
