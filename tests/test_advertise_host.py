@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from procs import Cluster, cluster_config
+from procs import Cluster, cluster_config, wait_until
 from qserver.config import DEFAULT_MAX_READY_LAG, parse_xml
 from qserver.errors import ConfigError
 
@@ -117,5 +117,21 @@ def test_clients_are_sent_to_the_advertised_host(tmp_path, engine):
         assert (redirect["code"], redirect["reason"]) == (-2, "redirect")
         assert redirect["leader_host"] == redirect["master_host"] == "localhost"
         assert redirect["leader_port"] == cluster.port(master)
+        # monitor: each node's own address, and the master's slaves' (status
+        # lists every node from them)
+        for i in (1, 2, 3):
+            view = cluster.ask(i, action=104)
+            assert view is not None and (view["host"], view["port"]) == (
+                "localhost", cluster.port(i))
+
+        def slaves_known():
+            view = cluster.ask(master, action=104)
+            return {s["node_id"]: (s.get("host"), s.get("port"))
+                    for s in (view or {}).get("slaves", [])}
+
+        wait_until(lambda: all(slaves_known().get(i, (None,))[0] for i in (1, 2, 3)
+                               if i != master), 30)
+        assert slaves_known() == {i: ("localhost", cluster.port(i))
+                                  for i in (1, 2, 3) if i != master}
     finally:
         cluster.stop_all()

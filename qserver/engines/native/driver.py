@@ -248,8 +248,12 @@ class ClusterEngine:
     def slaves(self) -> list[dict] | None:
         connected = self.net.connected_ids() if self.net else set()
         out = self.core.slaves()
+        peers = self.core.peers
         for s in out:
             s["connected"] = s["node_id"] in connected
+            client = peers[s["node_id"]].client  # its client address, from its Hello
+            if client is not None:
+                s["host"], s["port"] = client.host, client.port
         return out
 
     def snapshot_info(self) -> dict | None:

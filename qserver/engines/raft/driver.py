@@ -460,8 +460,12 @@ class RaftEngine:
             if node_id == self.config.node_id:
                 continue
             match = (status or {}).get("match_idx_server_" + addr, 0)
-            out.append({"node_id": node_id, "match_id": match, "lag": last - match,
-                        "connected": node_id in connected})
+            slave = {"node_id": node_id, "match_id": match, "lag": last - match,
+                     "connected": node_id in connected}
+            client = self._clients.get(node_id)  # its client address, from its Hello
+            if client is not None:
+                slave["host"], slave["port"] = client.host, client.port
+            out.append(slave)
         return out
 
     def snapshot_info(self) -> dict | None:
