@@ -97,10 +97,11 @@ class ClientConnectionError(QServerClientError):
     """
 
 
-class ClientTimeout(QServerClientError):
+class ClientTimeout(QServerClientError, TimeoutError):
     """Raised when the node asked last did not answer within the client's
     `timeout`, and no other node did before the retry time ran out. The
-    request may or may not have taken effect.
+    request may or may not have taken effect. Also a `TimeoutError` (so an
+    `OSError`), as Python's own timeouts: `except TimeoutError` catches it.
     """
 
 
