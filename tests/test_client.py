@@ -361,7 +361,7 @@ def test_produce_many_survives_kill_9_of_the_node_it_talks_to(cluster):
 
     def produce() -> None:
         try:
-            with Client(hosts, timeout=5, retry_for=DEADLINE_S) as client:
+            with Client(hosts, timeout=5, retry_for=DEADLINE_S, shuffle=False) as client:
                 b = 0
                 while not stop.is_set():
                     items = [{"queue": "ha", "data": f"b{b}-{i}", "retry": 60} for i in range(400)]

@@ -38,6 +38,28 @@ message, confirmed when the `with` block succeeds, left to the server's
 retry when it raises) and `messages(queue)` (an iterator of `Delivery`
 objects that work the same way, fetched with long polls).
 
+Where to connect
+----------------
+`hosts` is "host:port" strings, (host, port) tuples, one comma-separated
+string, or a URL that also carries settings:
+
+    Client("qserver://10.0.0.1:1111,10.0.0.2:1111/?timeout=5&retry_for=30")
+    Client("qservers://q1.example:1111/?token=...&tls_ca=/etc/qserver/ca.pem")
+
+`qservers://` speaks TLS; the query may set `timeout`, `retry_for`,
+`long_poll`, `token`, `tls_ca`, `tls_cert`, `tls_key`,
+`tls_server_hostname` (percent-encoded); arguments given to the client win
+over the URL's. Without `hosts`, the client takes them from
+`$QSERVER_SERVERS` (either form); without `timeout`, from the URL, else
+`$QSERVER_TIMEOUT` (seconds), else 5 s. A bad address, URL part or variable
+raises `InvalidArgument` naming it (never the token). `parse_target` reads
+the same forms (`parse_hosts`: the addresses only).
+
+Each client starts at a node of the list picked at random (the list is
+shuffled once per client), so that many clients given the same list spread
+over the nodes instead of all landing on the first; `shuffle=False` keeps
+the order given (a preferred node first, or a test that wants to know).
+
 Deliveries and receipts
 -----------------------
 A `Delivery` is a `Message` (queue, msg_id, data, deliveries, receipt) with
@@ -84,16 +106,19 @@ or a certificate given implies `tls=True`. A node whose certificate is not
 trusted fails at once with `ClientConnectionError` (the next node would
 say the same); other connection failures are retried as usual. The client
 speaks TCP only: a UDP request carries its `token` field itself
-(protocol-v2).
+(README: Authentication and TLS).
 
 Theory of operation
 -------------------
-A client holds one TCP connection at a time, to one node of the list it was
-given, and keeps it between calls (opened on first use). Every call goes
-through one pipelined exchange: requests are written while earlier answers
-are still coming, at most `window` in flight, each tagged with a `seq` the
-node echoes; answers come back in order and are matched by position (and
-checked by `seq`). A single request is an exchange of one.
+A client holds one TCP connection at a time for its calls (long polls
+aside), to one node of its list, and keeps it between calls (opened on
+first use). Every call goes through one pipelined exchange: requests are
+written while earlier answers are still coming, at most `window` in
+flight, each tagged with a `seq` the node echoes; answers come back in
+order and are matched by position (and checked by `seq`). A single request
+is an exchange of one. An `AsyncClient` runs the exchanges of all its
+tasks on that connection at once, interleaved: each answer goes to the
+exchange that sent the request (see `aio`).
 
 What happens to an answer:
 - code 0, or code -1 for a reason that will not change by asking again
@@ -108,11 +133,14 @@ What happens to an answer:
   seconds): the unanswered requests are sent again to the next node.
 
 Retries go on for `retry_for` seconds after the first failure without
-progress (every node is tried at least once, whatever `retry_for`), with a
-backoff that doubles from 50 ms to 1 s after each round of the node list;
-then the last error is raised: `NoLeader`, `ClientConnectionError`,
-`ClientTimeout`, or `ServerError`. Errors are in `qserver.errors`, rooted at
-`QServerClientError`.
+progress (every node is tried at least once, whatever `retry_for`). Within
+a round of the node list the next node is asked at once; after each round
+the client pauses for a time drawn at random between 0 and a ceiling that
+doubles from 50 ms to 1 s (exponential backoff with full jitter: clients
+that failed together do not come back together). Then the last error is
+raised: `NoLeader`, `ClientConnectionError`, `ClientTimeout` (also a
+`TimeoutError`), or `ServerError`. Errors are in `qserver.errors`, rooted
+at `QServerClientError`.
 
 Delivery guarantees of the resends: a request whose answer was lost may have
 taken effect. A produce sent again may therefore be stored twice
@@ -133,20 +161,28 @@ those of the answers received.
 Time: `delay` and `ttl` take seconds relative to now (int or float), an
 absolute unix time (a number >= 1,000,000,000, as on the wire), a
 `datetime` (naive = local time) or a `timedelta`; the client sends whole
-absolute unix seconds (design.md, section 1), rounded up so that a message is
+absolute unix seconds (README: Time and delivery), rounded up so that a message is
 never ready before the time asked for. A delay that is already past is left
 out (ready now). `ttl` counts from now, not from the delay. `retry` takes
 seconds or a `timedelta`.
 
-A `Client` may be shared by threads (calls are serialized); an `AsyncClient`
-by tasks of one event loop (likewise). For parallel throughput use
-`produce_many` or one client per thread or task.
+A `Client` may be shared by threads (calls are serialized on its
+connection); an `AsyncClient` by tasks of one event loop, whose calls go
+out at once, pipelined on its connection, whatever the other tasks have in
+flight (a task cancelled mid-call leaves its answers to be dropped). For
+the most throughput from one thread use `produce_many`/`produce_batch`;
+from many threads, one `Client` per thread.
 
-Layout: `core` (the sans-I/O part: constants, `Message`, `parse_hosts`,
+Sockets: the blocking client waits with `selectors` (epoll, kqueue or
+poll), so descriptors past 1024 (a process with many files open: a Spark
+executor, a web server) work; `select.select` refused them.
+
+Layout: `core` (the sans-I/O part: constants, `Message`, `parse_hosts`
+and `parse_target`, the settings from arguments, URL and environment,
 request builders, time conversion, the reading of answers, the long-poll
 policy, the exchange and the retry policy), `sync` (`Client`, `Delivery`),
-`aio` (`AsyncClient`, `AsyncDelivery`). The public API is what this package
-exports.
+`aio` (`AsyncClient` and its shared connection, `AsyncDelivery`). The
+public API is what this package exports.
 """
 
 from __future__ import annotations
@@ -173,10 +209,14 @@ from .core import (
     DEFAULT_WINDOW,
     LONG_POLL_S,
     MAX_BATCH,
+    SERVERS_ENV,
+    TIMEOUT_ENV,
     BatchResult,
     Message,
+    Target,
     consume_request,
     parse_hosts,
+    parse_target,
     produce_request,
 )
 from .sync import Client, Delivery
@@ -189,6 +229,10 @@ __all__ = [
     "Delivery",
     "AsyncDelivery",
     "parse_hosts",
+    "parse_target",
+    "Target",
+    "SERVERS_ENV",
+    "TIMEOUT_ENV",
     "produce_request",
     "consume_request",
     "DEFAULT_TIMEOUT_S",

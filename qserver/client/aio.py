@@ -1,14 +1,39 @@
 """The asyncio client: `AsyncClient` (asyncio streams) and its
 `AsyncDelivery`, the twins of `sync.Client` and `sync.Delivery`; the
-exchange, retry and long-poll logic are `core`'s."""
+exchange, retry and long-poll logic are `core`'s.
+
+Tasks share one connection (`_Pipeline`), not one at a time as the blocking
+client's threads do: a call writes its requests at once, whatever the
+other tasks have in flight, and waits for its answers. A node answers a
+connection's requests in the order they came (protocol: pipelining), so
+one reader task per connection hands each answer to the exchange at the
+head of the connection's queue of senders (`_Pipeline._owners`), whose
+`_Exchange.feed` checks the `seq` echoed. Rules:
+- a request is queued as its bytes are written, in the same step (no await
+  between): the queue's order is the wire's;
+- a connection that fails (closed, reset, silent for `timeout` with
+  requests in flight, an answer out of order) fails every exchange on it,
+  and each retries on its own (`core._Router`, one per call); one that is
+  replaced (a call went to another node) takes no new requests and closes
+  once its answers are in;
+- a call cancelled with requests in flight leaves them queued, marked
+  abandoned: their answers are read and dropped, so the next call on the
+  connection reads its own;
+- long polls keep connections of their own (`_AsyncLane`), as in the
+  blocking client: a consume the node holds for `wait` would hold up every
+  answer behind it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
 import itertools
+import os
+import random
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,10 +48,7 @@ from ..errors import (
 from .core import (
     BATCH_MAX_BYTES,
     BATCH_WINDOW,
-    DEFAULT_RETRY_FOR_S,
-    DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
-    LONG_POLL_S,
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
@@ -43,7 +65,6 @@ from .core import (
     _found,
     _leader_fields,
     _Lines,
-    _long_poll_s,
     _monitor_request,
     _new_fields,
     _Polling,
@@ -56,17 +77,16 @@ from .core import (
     _shown,
     check_auth,
     clear_request,
+    client_settings,
     config_request,
     confirm_request,
     consume_request,
     drain_request,
     nack_request,
-    parse_hosts,
     pause_request,
     peek_request,
     produce_request,
     request_wait_s,
-    security,
     shorter_long_poll,
     show_request,
     touch_request,
@@ -99,10 +119,7 @@ class _AsyncConnection:
                     reader, writer = await asyncio.open_connection(
                         *address, ssl=context, server_hostname=secure.hostname(address))
         except ssl.SSLCertVerificationError as exc:
-            # The same on every node: asking the next will not help.
-            raise ClientConnectionError(
-                f"{_describe(address)}: TLS: the node's certificate is not trusted: "
-                f"{exc.verify_message or exc}") from None
+            raise _untrusted(address, exc) from None
         conn = cls(address, reader, writer)
         if secure is not None and secure.token is not None:
             # Ahead of the first requests; its answer comes first.
@@ -114,8 +131,213 @@ class _AsyncConnection:
         self.writer.close()
 
 
+class _Turn:
+    """One call's exchange running on a `_Pipeline`."""
+
+    __slots__ = ("ex", "waiter", "abandoned")
+
+    def __init__(self, ex: _Exchange) -> None:
+        self.ex = ex
+        # What the call awaits: done when an answer of its came in, or the
+        # connection failed (None while the call is not waiting).
+        self.waiter: asyncio.Future[None] | None = None
+        self.abandoned = False  # the call is gone: its answers still due are dropped
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Pipeline(asyncio.Protocol):
+    """A connection shared by the calls of every task of an `AsyncClient`
+    (see the module docstring for the rules). An asyncio Protocol, not
+    streams: the event loop hands it the bytes, and it wakes the calls
+    whose answers they hold, one task switch per call (streams would add
+    a reader task's)."""
+
+    def __init__(self, address: Address, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        # Set once, when the connection is done for (what broke it, or a
+        # ConnectionError once closed): every exchange on it raises it.
+        self.error: BaseException | None = None
+        self.retired = False  # replaced: takes no new exchange, closes once answered
+        self.auth_pending = False  # the answer to our action 0 is the next one
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._lines = _Lines()
+        self._owners: deque[_Turn] = deque()  # the sender of each request in flight, in order
+        self._turns: set[_Turn] = set()  # the exchanges running on it
+        # The node is lost when silent for timeout_s with answers due: the
+        # time it last sent something (or answers fell due), and a timer
+        # that checks, moved on lazily rather than at every read.
+        self._progress = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._writable: asyncio.Future[None] | None = None  # while the transport is paused
+
+    @classmethod
+    async def open(cls, address: Address, timeout_s: float,
+                   secure: Security | None) -> _Pipeline:
+        """A new connection to `address` (TimeoutError after `timeout_s`;
+        ClientConnectionError for a certificate not trusted)."""
+        loop = asyncio.get_running_loop()
+        context = secure.ssl_context if secure is not None else None
+        hostname = secure.hostname(address) if secure is not None and context else None
+        try:
+            async with asyncio.timeout(timeout_s):  # see _AsyncConnection.open
+                _, pipe = await loop.create_connection(
+                    lambda: cls(address, timeout_s), *address, ssl=context,
+                    server_hostname=hostname)
+        except ssl.SSLCertVerificationError as exc:
+            raise _untrusted(address, exc) from None
+        if secure is not None and secure.token is not None:
+            # Ahead of the first requests; its answer comes first.
+            pipe.auth_pending = True
+            pipe._write(secure.auth_bytes)
+        return pipe
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and not self.retired
+
+    async def run(self, ex: _Exchange) -> None:
+        """Send `ex`'s requests and take their answers until it is finished,
+        or halted with nothing in flight. Raises what broke the connection:
+        OSError, TimeoutError (silent for `timeout_s`), _BrokenStream,
+        Unauthorized."""
+        turn = _Turn(ex)
+        self._turns.add(turn)
+        try:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                before = ex.in_flight
+                out = ex.take()
+                if out:
+                    if not self._owners:
+                        self._arm()
+                    # Queued in the step that writes them: the wire's order.
+                    self._owners.extend(itertools.repeat(turn, ex.in_flight - before))
+                    self._write(out)
+                    if self._writable is not None:  # the node stopped reading
+                        await asyncio.shield(self._writable)
+                        continue
+                elif ex.idle:
+                    return
+                turn.waiter = self._loop.create_future()
+                try:
+                    await turn.waiter
+                finally:
+                    turn.waiter = None
+        finally:
+            self._turns.discard(turn)
+            if not ex.idle:
+                turn.abandoned = True
+            self._maybe_close()
+
+    def _write(self, data: bytes) -> None:
+        assert self._transport is not None  # set before open() returns
+        self._transport.write(data)
+
+    # -- the timeout -----------------------------------------------------------
+
+    def _arm(self) -> None:
+        """Answers fall due on a quiet connection: the node has timeout_s."""
+        self._progress = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._progress + self.timeout_s, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if not self._owners or self.error is not None:
+            return
+        due = self._progress + self.timeout_s
+        if self._loop.time() >= due:
+            self._fail(TimeoutError())
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    # -- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        self._progress = self._loop.time()
+        try:
+            for response in self._lines.feed(data):
+                if self.auth_pending:
+                    self.auth_pending = False
+                    check_auth(response)  # raises Unauthorized
+                    continue
+                if not self._owners:
+                    raise _BrokenStream("an answer to no request")
+                turn = self._owners.popleft()
+                if not turn.abandoned:
+                    turn.ex.feed(response)
+                    turn.wake()
+        except Exception as exc:  # handed to every exchange on the connection
+            self._fail(exc)
+            return
+        self._maybe_close()
+
+    def eof_received(self) -> bool:
+        self._fail(ConnectionError("connection closed by the node"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc if exc is not None else ConnectionError("connection closed by the node"))
+
+    def pause_writing(self) -> None:
+        self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    # -- the end -----------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._owners.clear()
+        if self._transport is not None:
+            self._transport.close()
+        self.resume_writing()
+        for turn in self._turns:
+            turn.wake()
+
+    def retire(self) -> None:
+        """Take no new exchange; close once the answers due are in."""
+        self.retired = True
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        """Close a retired connection once no exchange runs on it."""
+        if self.retired and self.error is None and not self._owners and not self._turns:
+            self.close()
+
+    def close(self) -> None:
+        self._fail(ConnectionError("connection closed by the client"))
+
+
+def _untrusted(address: Address, exc: ssl.SSLCertVerificationError) -> ClientConnectionError:
+    # The same on every node: asking the next will not help.
+    return ClientConnectionError(f"{_describe(address)}: TLS: the node's certificate is not "
+                                 f"trusted: {exc.verify_message or exc}")
+
+
 class _AsyncLane:
-    """As `sync._Lane`: a connection and the router that picks its node."""
+    """As `sync._Lane`: a connection and the router that picks its node (a
+    long poll's)."""
 
     __slots__ = ("conn", "router", "generation")
 
@@ -134,23 +356,38 @@ class _AsyncLane:
 class AsyncClient:
     """The asyncio twin of `Client`: the same constructor and methods, as
     coroutines; `async with AsyncClient(...) as c:`; `await c.close()`.
-    Calls of several tasks are serialized on one connection, except long
-    polls, which run on connections of their own."""
+    Tasks of one event loop share one connection, pipelined: a call of one
+    task does not wait for another's to finish (see the module docstring);
+    long polls run on connections of their own."""
 
-    def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S,
+    def __init__(self, hosts: str | Iterable[str | Address] | None = None, *,
+                 timeout: float | None = None, retry_for: float | None = None,
+                 long_poll: float | None = None, shuffle: bool = True,
                  token: str | None = None, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
                  tls_server_hostname: str | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        self.timeout = timeout
-        self.long_poll = _long_poll_s(long_poll)
-        self._security = security(token, tls, tls_ca, tls_cert, tls_key, tls_server_hostname,
-                                  ssl_context)
-        self._main = _AsyncLane(_Router(parse_hosts(hosts), retry_for))
+        settings = client_settings(
+            hosts, os.environ, timeout=timeout, retry_for=retry_for, long_poll=long_poll,
+            token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_hostname=tls_server_hostname, ssl_context=ssl_context)
+        self.timeout = settings.timeout_s
+        self.long_poll = settings.long_poll_s
+        self._security = settings.security
+        self._rng = random.Random()  # as Client._rng
+        addresses = list(settings.addresses)
+        if shuffle:
+            self._rng.shuffle(addresses)
+        self._addresses = addresses
+        self._retry_for_s = settings.retry_for_s
+        # Where the next call starts: the node that served (or that a call
+        # moved to) last. Each call has a router of its own from there.
+        self._home: Address = addresses[0]
+        self._pipe: _Pipeline | None = None  # the connection calls share (None: not open)
+        self._pipes: set[_Pipeline] = set()  # every one not closed, replaced ones too
+        self._opening: dict[Address, asyncio.Future[_Pipeline]] = {}
         self._seqs = itertools.count(1)
         self._batches = True  # as Client._batches
-        self._lock = asyncio.Lock()  # the main lane: one exchange at a time
         self._idle_polls: list[_AsyncConnection] = []
         self._poll_home: Address | None = None  # as Client._poll_home
         self._generation = 0  # as Client._generation
@@ -163,8 +400,11 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Close the connections (a later call opens a new one); a long poll
-        under way in another task closes its own when it ends."""
-        self._main.drop()
+        under way in another task closes its own when it ends; a call under
+        way on the shared connection goes on on a new one."""
+        pipes, self._pipes, self._pipe = self._pipes, set(), None
+        for pipe in pipes:
+            pipe.close()
         self._generation += 1
         idle, self._idle_polls = self._idle_polls, []
         for conn in idle:
@@ -173,7 +413,7 @@ class AsyncClient:
     @property
     def address(self) -> Address:
         """The node the client talks to (or will try next)."""
-        return self._main.router.address
+        return self._home
 
     async def request(self, obj: dict) -> dict:
         """As `Client.request`."""
@@ -400,12 +640,13 @@ class AsyncClient:
                         batch_window: int | None = None) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
         if not wait_s:
-            async with self._lock:
-                return await self._run(self._main, requests, window, stop_on_error, 0.0,
-                                       batch_window)
+            router = _Router(self._addresses, self._retry_for_s, self._home, rng=self._rng)
+            return await self._run(router, None, requests, window, stop_on_error, 0.0,
+                                   batch_window)
         lane = self._poll_lane()
         try:
-            results = await self._run(lane, requests, window, stop_on_error, wait_s, None)
+            results = await self._run(lane.router, lane, requests, window, stop_on_error,
+                                      wait_s, None)
             self._poll_home = lane.router.address
             return results
         finally:
@@ -413,11 +654,11 @@ class AsyncClient:
 
     def _poll_lane(self) -> _AsyncLane:
         """As `Client._poll_lane`."""
-        address = self._poll_home or self._main.router.address
+        address = self._poll_home or self._home
         conns = self._idle_polls
         i = next((i for i, c in enumerate(conns) if c.address == address), None)
         conn = conns.pop(i) if i is not None else None
-        router = _Router(self._main.router.addresses, self._main.router.retry_for_s, address)
+        router = _Router(self._addresses, self._retry_for_s, address, rng=self._rng)
         return _AsyncLane(router, conn, self._generation)
 
     def _end_poll(self, lane: _AsyncLane) -> None:
@@ -431,17 +672,48 @@ class AsyncClient:
         else:
             conn.close()
 
-    async def _run(self, lane: _AsyncLane, requests: Sequence[dict], window: int,
-                   stop_on_error: bool, wait_s: float,
+    async def _pipeline(self, address: Address) -> _Pipeline:
+        """The shared connection to `address`: the one open, else a new one
+        (one opening per address, whoever asks meanwhile waits for it),
+        which replaces the one open."""
+        while True:
+            pipe = self._pipe
+            if pipe is not None and pipe.address == address and pipe.usable:
+                return pipe
+            opening = self._opening.get(address)
+            if opening is None:
+                opening = asyncio.ensure_future(self._open_pipeline(address))
+                opening.add_done_callback(_retrieved)
+                self._opening[address] = opening
+            # shield: a caller cancelled meanwhile leaves the opening to the others
+            pipe = await asyncio.shield(opening)
+            if pipe.error is None:
+                return pipe  # (replaced meanwhile, it still serves this call)
+
+    async def _open_pipeline(self, address: Address) -> _Pipeline:
+        try:
+            pipe = await _Pipeline.open(address, self.timeout, self._security)
+        finally:
+            del self._opening[address]
+        old, self._pipe = self._pipe, pipe
+        self._pipes = {p for p in self._pipes if p.error is None}  # forget the closed ones
+        self._pipes.add(pipe)
+        if old is not None:
+            old.retire()  # closes itself once its answers are in
+        return pipe
+
+    async def _run(self, router: _Router, lane: _AsyncLane | None, requests: Sequence[dict],
+                   window: int, stop_on_error: bool, wait_s: float,
                    batch_window: int | None) -> builtins.list[dict | None]:
+        """An exchange of `requests`, on the shared connection (`lane` None)
+        or on a long poll's lane, moving as `router` says."""
         ex = _Exchange(requests, window, self._seqs, stop_on_error=stop_on_error,
                        batch_window=batch_window)
-        router = lane.router
-        router.begin()
         error: Exception | None
         while not ex.finished:
             if ex.halted:
-                lane.drop()
+                if lane is not None:
+                    lane.drop()
                 if ex.redirect is not None:
                     error = ServerError(-2, f"too many redirects (last to "
                                             f"{_describe(ex.redirect)})")
@@ -453,34 +725,48 @@ class AsyncClient:
                     assert ex.retry_error is not None
                     delay = router.failed(ex.retry_error, time.monotonic())
                 ex.resume()
+                self._moved(router, lane)
                 await asyncio.sleep(delay)
                 continue
             address = router.address
             answered = ex.answered
             timeout_s = self.timeout + wait_s
             try:
-                if lane.conn is None or lane.conn.address != address:
-                    lane.drop()
-                    lane.conn = await _AsyncConnection.open(address, self.timeout,
-                                                            self._security)
-                await self._pump(lane.conn, ex, timeout_s)
+                if lane is None:
+                    await (await self._pipeline(address)).run(ex)
+                else:
+                    if lane.conn is None or lane.conn.address != address:
+                        lane.drop()
+                        lane.conn = await _AsyncConnection.open(address, self.timeout,
+                                                                self._security)
+                    await self._pump(lane.conn, ex, timeout_s)
                 error = None
             except TimeoutError:
                 error = ClientTimeout(f"{_describe(address)}: no answer within {timeout_s} s")
             except (OSError, _BrokenStream) as exc:
                 error = ClientConnectionError(f"{_describe(address)}: {exc}")
             except BaseException:
-                # Cancelled: answers may still be due on this connection;
-                # a later call must not read them.
-                lane.drop()
+                # Cancelled: answers may still be due on this connection; a
+                # later call must not read them (the shared one drops them).
+                if lane is not None:
+                    lane.drop()
                 raise
             if ex.answered > answered:
                 router.begin()
             if error is not None:
-                lane.drop()
+                if lane is not None:
+                    lane.drop()
                 ex.connection_lost()
-                await asyncio.sleep(router.failed(error, time.monotonic()))
+                delay = router.failed(error, time.monotonic())
+                self._moved(router, lane)
+                await asyncio.sleep(delay)
+        self._moved(router, lane)
         return ex.results
+
+    def _moved(self, router: _Router, lane: _AsyncLane | None) -> None:
+        """The next call on the shared connection starts where this one is."""
+        if lane is None:
+            self._home = router.address
 
     async def _pump(self, conn: _AsyncConnection, ex: _Exchange, timeout_s: float) -> None:
         """As `Client._pump`: writes go to the transport's buffer (bounded by
@@ -501,6 +787,13 @@ class AsyncClient:
                     check_auth(response)  # raises Unauthorized
                     continue
                 ex.feed(response)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """An opening's outcome is read even when every caller was cancelled
+    (asyncio would log "exception never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -3,10 +3,14 @@ the theory of operation): constants, `Message`, `parse_hosts`, the request
 builders and time conversion, the reading of answers, the long-poll policy
 of the consumer helpers (`_Polling`), and the exchange (`_Exchange`), the
 retry policy (`_Router`) and the answer framing (`_Lines`) that both
-drivers, `sync.Client` and `aio.AsyncClient`, run over their connections.
+drivers, `sync.Client` and `aio.AsyncClient`, run over their connections;
+where a client connects and with what settings (`parse_target`, the
+`qserver://` URL, `client_settings` with the environment passed in).
 Nothing here opens a socket or sleeps; the one clock read is
-`produce_request`'s default `now_s` (`time.time()`), and the only files read
-are the TLS files `security` loads into an `ssl.SSLContext`."""
+`produce_request`'s default `now_s` (`time.time()`), the only files read
+are the TLS files `security` loads into an `ssl.SSLContext`, and
+randomness (the start node, the backoff's jitter) comes from the
+`random.Random` the driver passes in."""
 
 from __future__ import annotations
 
@@ -15,10 +19,14 @@ import re
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
+from urllib.parse import parse_qsl, urlsplit
+
+if TYPE_CHECKING:
+    import random
 
 import orjson
 
@@ -52,9 +60,12 @@ DEFAULT_RETRY_FOR_S = 10.0
 # batches on the master, whose pushes and commits then come in bursts.
 DEFAULT_WINDOW = 200
 
-# Backoff after a full round of failed nodes: starts small (a redirect target
-# or a fresh master is usually there at once), doubles to a ceiling that
-# still notices a new master within a second.
+# Backoff after a full round of failed nodes: a pause drawn at random from
+# 0 to a ceiling ("full jitter"), so that the clients an election or a lost
+# node sent away at the same moment do not come back at the same moment.
+# The ceiling starts small (a redirect target or a fresh master is usually
+# there at once) and doubles to a cap that still notices a new master
+# within a second.
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 1.0
 
@@ -85,7 +96,20 @@ MAX_IDLE_POLL_CONNECTIONS = 8
 # Bytes asked of the socket per read.
 RECV_SIZE = 256 * 1024
 
-# design.md, section 1: a wire time below this is seconds relative to now.
+# The environment variables a client reads when it is not given the hosts
+# (`QSERVER_SERVERS`: "host:port,host:port" or a qserver:// URL) or the
+# timeout (`QSERVER_TIMEOUT`: seconds), as the `qserver` command does.
+SERVERS_ENV = "QSERVER_SERVERS"
+TIMEOUT_ENV = "QSERVER_TIMEOUT"
+
+# The URL form of the hosts: qserver://host:port,host:port/?timeout=5&token=...
+# (qservers:// speaks TLS). Scheme -> TLS.
+URL_SCHEMES = {"qserver": False, "qservers": True}
+# The settings its query may carry: seconds, and strings (percent-decoded).
+URL_SECONDS = ("timeout", "retry_for", "long_poll")
+URL_STRINGS = ("token", "tls_ca", "tls_cert", "tls_key", "tls_server_hostname")
+
+# README, Time and delivery: a wire time below this is seconds relative to now.
 ABSOLUTE_TIME_FROM = 1_000_000_000
 
 # Reasons for which asking again (elsewhere, a little later) can succeed:
@@ -99,23 +123,23 @@ QUEUE_FULL_PREFIX = "queue full:"
 
 # The server's reasons for the typed errors of receipts, for a show of a
 # message that is not there, and for a long poll over its max_wait
-# (protocol-v2.md; spec14.md).
+# (README: Receipts, Long poll).
 STALE_RECEIPT = "stale receipt"
 NOT_IN_FLIGHT = "not in flight"
 NO_SUCH_MESSAGE = "no such message"
 WAIT_OUT_OF_RANGE = "wait out of range"
 
-# The fields of one message of a batch produce (protocol-v2.md, Produce),
+# The fields of one message of a batch produce (README: Batch produce),
 # and of a `produce_many` item (which also names its queue).
 MESSAGE_KEYS = frozenset({"data", "delay", "ttl", "retry", "priority", "dedup_id"})
 PRODUCE_KEYS = MESSAGE_KEYS | {"queue"}
 
-# The most messages one batch produce may carry (protocol-v2.md: `messages`
-# is a list of 1 to 1000).
+# The most messages one batch produce may carry (README, Batch produce:
+# `messages` is a list of 1 to 1000).
 MAX_BATCH = 1000
 
 # The most bytes one batch request may take, encoded: under the node's
-# default max_request_size (1 MiB, spec15.md), with room for the `seq` the
+# default max_request_size (1 MiB, README: Configuration), with room for the `seq` the
 # exchange adds and for what a relaying slave wraps around it. A node with
 # a lower max_request_size needs a lower `max_request_bytes`.
 BATCH_MAX_BYTES = 900_000
@@ -134,7 +158,7 @@ SEQ_ALLOWANCE = 32
 BATCH_WINDOW = 2
 
 # The server's reasons for a refused token or action start with this
-# (protocol-v2, qserver.auth).
+# (README: Authentication and TLS; qserver.auth).
 UNAUTHORIZED = "unauthorized"
 
 # What a node that predates action 0 answers to it: it has no <security>,
@@ -142,7 +166,7 @@ UNAUTHORIZED = "unauthorized"
 INVALID_ACTION = "invalid action"
 
 # The server's reason for a produce into a paused queue: "queue paused", or
-# "queue paused: NAME" for a virtual queue (spec15.md).
+# "queue paused: NAME" for a virtual queue (README: Queue settings).
 QUEUE_PAUSED = "queue paused"
 
 # What a node that predates batch produce answers to one (it wants `data`,
@@ -193,17 +217,133 @@ class Message:
 
 
 def parse_hosts(hosts: str | Iterable[str | Address]) -> list[Address]:
-    """Addresses from "host:port" strings, (host, port) tuples, or one
-    comma-separated string. IPv6 literals may be written "[::1]:1111"."""
+    """Addresses from "host:port" strings, (host, port) tuples, one
+    comma-separated string, or a qserver:// URL without settings (see
+    `parse_target`). IPv6 literals may be written "[::1]:1111". Raises
+    InvalidArgument, also for a URL that carries settings (TLS, a token, a
+    timeout), which only `parse_target` and the clients keep."""
+    target = parse_target(hosts)
+    if target.options:
+        raise InvalidArgument(f"the URL carries settings ({', '.join(sorted(target.options))})"
+                              f" that a list of addresses would lose: give the URL to "
+                              f"Client/AsyncClient, or read it with parse_target")
+    return target.addresses
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a client connects: `addresses` in the order given, and
+    `options`, the settings a qserver:// URL carried, under the clients'
+    argument names: `timeout`, `retry_for`, `long_poll` (float seconds),
+    `token`, `tls_ca`, `tls_cert`, `tls_key`, `tls_server_hostname` (str),
+    `tls` (True, for qservers://). Empty for plain addresses."""
+
+    addresses: list[Address]
+    options: dict[str, Any]
+
+
+def parse_target(hosts: object, source: str = "hosts") -> Target:
+    """`hosts` as `Client` takes it: "host:port" strings, (host, port)
+    tuples, one comma-separated string, or a URL
+    `qserver://host:port,host:port/?timeout=5&token=...` (`qservers://`:
+    TLS; the query may set timeout, retry_for, long_poll, token, tls_ca,
+    tls_cert, tls_key, tls_server_hostname, each once, percent-encoded). A
+    list of one URL is the URL. `source` names where `hosts` came from in
+    the errors (an environment variable, say). Raises InvalidArgument,
+    naming the address or the URL part that is wrong (never the token)."""
     if isinstance(hosts, str):
+        if "://" in hosts:
+            return _parse_url(hosts.strip(), source)
         items: list = [h.strip() for h in hosts.split(",") if h.strip()]
     elif (isinstance(hosts, tuple) and len(hosts) == 2 and isinstance(hosts[0], str)
           and isinstance(hosts[1], int)):
         items = [hosts]
-    else:
+    elif isinstance(hosts, Iterable) and not isinstance(hosts, (bytes, dict)):
         items = list(hosts)
+        if len(items) == 1 and isinstance(items[0], str) and "://" in items[0]:
+            return _parse_url(items[0].strip(), source)
+    else:
+        raise InvalidArgument(f"{source} must be 'host:port' strings, (host, port) tuples "
+                              f"or a qserver:// URL, not {type(hosts).__name__}")
+    try:
+        return Target(_addresses(items), {})
+    except InvalidArgument as exc:
+        if source == "hosts":
+            raise
+        raise InvalidArgument(f"{source}={hosts!r}: {exc}") from None
+
+
+def _parse_url(url: str, source: str) -> Target:
+    """A qserver:// or qservers:// URL (see `parse_target`). Errors name the
+    part, not the whole URL (its query may hold a token)."""
+    where = "URL" if source == "hosts" else f"{source} (a URL)"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+    if parts.scheme not in URL_SCHEMES:
+        raise InvalidArgument(f"{where}: scheme {parts.scheme!r} is not one of "
+                              f"{', '.join(s + '://' for s in URL_SCHEMES)}")
+    if "@" in parts.netloc:
+        raise InvalidArgument(f"{where}: user information before '@' is not taken "
+                              f"(give a token as ?token=...)")
+    if parts.path not in ("", "/"):
+        raise InvalidArgument(f"{where}: path {parts.path!r}: a qserver URL has none "
+                              f"(settings go in the query: /?timeout=5)")
+    if parts.fragment:
+        raise InvalidArgument(f"{where}: a qserver URL has no #fragment")
+    items = [h.strip() for h in parts.netloc.split(",") if h.strip()]
+    if not items:
+        raise InvalidArgument(f"{where}: no host:port after {parts.scheme}://")
+    try:
+        addresses = _addresses(items)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+    options: dict[str, Any] = {}
+    if URL_SCHEMES[parts.scheme]:
+        options["tls"] = True
+    try:
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise InvalidArgument(f"{where}: the query is not name=value&name=value") from None
+    for name, value in query:
+        if name in options and name != "tls":
+            raise InvalidArgument(f"{where}: query {name!r} given twice")
+        if name in URL_SECONDS:
+            options[name] = _url_seconds(value, name, where)
+        elif name in URL_STRINGS:
+            if not value:
+                raise InvalidArgument(f"{where}: query {name!r} is empty")
+            options[name] = value
+        else:
+            raise InvalidArgument(f"{where}: unknown query {name!r} (known: "
+                                  f"{', '.join(URL_SECONDS + URL_STRINGS)})")
+    return Target(addresses, options)
+
+
+def _url_seconds(value: str, name: str, where: str) -> float:
+    seconds = _float_or_none(value)
+    if seconds is None or seconds < 0 or (seconds == 0 and name == "timeout"):
+        raise InvalidArgument(f"{where}: query {name}={value!r} is not "
+                              f"{'seconds > 0' if name == 'timeout' else 'seconds >= 0'}")
+    return seconds
+
+
+def _float_or_none(text: str) -> float | None:
+    """`text` as a finite float, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _addresses(items: list) -> list[Address]:
     out: list[Address] = []
     for item in items:
+        if isinstance(item, str) and "://" in item:
+            raise InvalidArgument(f"a URL ({item.split('://')[0]}://...) must be the "
+                                  f"whole of the hosts, not one of several")
         if isinstance(item, str):
             host, sep, port_text = item.strip().rpartition(":")
             if not sep or not host or not port_text.isdigit():
@@ -926,6 +1066,11 @@ class _Exchange:
         return not self._in_flight
 
     @property
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._in_flight)
+
+    @property
     def finished(self) -> bool:
         if self.failed is not None:
             return not self._in_flight
@@ -1003,12 +1148,15 @@ class _Exchange:
 
 class _Router:
     """Which node to ask next and how long to keep trying (see the package
-    docstring). Sticks to a node while it serves."""
+    docstring). Sticks to a node while it serves. `addresses` is the
+    client's list in its order (shuffled once per client, or as given);
+    `rng` draws the backoff's jitter."""
 
     def __init__(self, addresses: list[Address], retry_for_s: float,
-                 start: Address | None = None) -> None:
+                 start: Address | None = None, *, rng: random.Random) -> None:
         self.addresses = addresses
         self.retry_for_s = retry_for_s
+        self._rng = rng
         self._i = 0
         self.redirect_to: Address | None = None
         if start is not None:  # where another router is (a redirect's target, say)
@@ -1027,7 +1175,7 @@ class _Router:
         self._deadline: float | None = None
         self._failures = 0
         self._redirects = 0
-        self._backoff_s = BACKOFF_MIN_S
+        self._backoff_s = BACKOFF_MIN_S  # the ceiling of the next pause
 
     def redirected(self, address: Address, error: Exception, now_s: float) -> float:
         """Follow a redirect; returns the seconds to wait first."""
@@ -1053,7 +1201,8 @@ class _Router:
             raise error
         if self._failures % n:
             return 0.0  # another node may serve at once
-        delay = min(self._backoff_s, max(0.0, self._deadline - now_s))
+        # Full jitter: anywhere from 0 to the ceiling, never past the deadline.
+        delay = min(self._rng.random() * self._backoff_s, max(0.0, self._deadline - now_s))
         self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
         return delay
 
@@ -1080,7 +1229,7 @@ def _describe(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
 
 
-# -- authentication and TLS (protocol-v2: action 0, <tls>) -----------------------
+# -- authentication and TLS (action 0, <tls>: README, Authentication and TLS) ----
 
 
 @dataclass(frozen=True, slots=True)
@@ -1139,6 +1288,77 @@ def security(token: object = None, tls: object = False, tls_ca: object = None,
     if token is None and context is None:
         return None
     return Security(token, context, tls_server_hostname)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """What a client runs with, once its arguments, its URL's settings and
+    the environment are merged and checked (`client_settings`)."""
+
+    addresses: list[Address]  # in the order given (the client may shuffle them)
+    timeout_s: float
+    retry_for_s: float
+    long_poll_s: float
+    security: Security | None
+
+
+def client_settings(hosts: object, environ: Mapping[str, str], *, timeout: object = None,
+                    retry_for: object = None, long_poll: object = None, token: object = None,
+                    tls: object = False, tls_ca: object = None, tls_cert: object = None,
+                    tls_key: object = None, tls_server_hostname: object = None,
+                    ssl_context: object = None) -> ClientSettings:
+    """The settings of a client built with these arguments (None: not
+    given), `environ` being the process's environment.
+
+    Each setting comes from the first of: the argument; the setting of that
+    name in the URL `hosts` is (see `parse_target`); for the hosts,
+    `QSERVER_SERVERS` (addresses or a URL, whose settings then count as the
+    URL's) and for the timeout, `QSERVER_TIMEOUT`; the default. `tls` is on
+    if the argument or the URL (qservers://) says so; with `ssl_context`,
+    the URL's tls_ca, tls_cert and tls_key are not used. Raises
+    InvalidArgument naming the argument, the variable or the URL part."""
+    if hosts is None:
+        text = environ.get(SERVERS_ENV, "").strip()
+        if not text:
+            raise InvalidArgument(f"no server address given: pass the hosts, or set "
+                                  f"{SERVERS_ENV} (host:port,host:port or a qserver:// URL)")
+        target = parse_target(text, SERVERS_ENV)
+    else:
+        target = parse_target(hosts)
+    url = target.options
+    if timeout is None and "timeout" not in url:
+        text = environ.get(TIMEOUT_ENV, "").strip()
+        if text:
+            timeout_s = _float_or_none(text)
+            if timeout_s is None or timeout_s <= 0:
+                raise InvalidArgument(f"{TIMEOUT_ENV}={text!r}: not a number of seconds > 0")
+            timeout = timeout_s
+    timeout_s = _setting_s("timeout", timeout, url, DEFAULT_TIMEOUT_S)
+    if timeout_s <= 0:
+        raise InvalidArgument(f"timeout must be seconds > 0, not {timeout!r}")
+    retry_for_s = _setting_s("retry_for", retry_for, url, DEFAULT_RETRY_FOR_S)
+    long_poll_s = _setting_s("long_poll", long_poll, url, LONG_POLL_S)
+
+    def pick(name: str, given: object) -> object:
+        return given if given is not None else url.get(name)
+
+    if ssl_context is None:
+        tls_ca, tls_cert, tls_key = (pick("tls_ca", tls_ca), pick("tls_cert", tls_cert),
+                                     pick("tls_key", tls_key))
+    secure = security(pick("token", token), bool(tls) or url.get("tls", False), tls_ca,
+                      tls_cert, tls_key, pick("tls_server_hostname", tls_server_hostname),
+                      ssl_context)
+    return ClientSettings(target.addresses, timeout_s, retry_for_s, long_poll_s, secure)
+
+
+def _setting_s(name: str, given: object, url: dict[str, Any], default: float) -> float:
+    """A seconds setting: the argument if given (checked), else the URL's
+    (checked as it was read), else `default`."""
+    if given is None:
+        return float(url.get(name, default))
+    if not _is_number(given) or not math.isfinite(given) or given < 0:
+        raise InvalidArgument(f"{name} must be seconds >= 0, not {given!r}")
+    return float(given)
 
 
 def _ssl_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:

@@ -1,11 +1,13 @@
-"""The blocking client: `Client` (sockets driven with `select`) and its
+"""The blocking client: `Client` (sockets driven with `selectors`) and its
 `Delivery`; the exchange, retry and long-poll logic are `core`'s."""
 
 from __future__ import annotations
 
 import builtins
 import itertools
-import select
+import os
+import random
+import selectors
 import socket
 import ssl
 import threading
@@ -24,10 +26,7 @@ from ..errors import (
 from .core import (
     BATCH_MAX_BYTES,
     BATCH_WINDOW,
-    DEFAULT_RETRY_FOR_S,
-    DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
-    LONG_POLL_S,
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
@@ -44,7 +43,6 @@ from .core import (
     _found,
     _leader_fields,
     _Lines,
-    _long_poll_s,
     _monitor_request,
     _new_fields,
     _Polling,
@@ -57,17 +55,16 @@ from .core import (
     _shown,
     check_auth,
     clear_request,
+    client_settings,
     config_request,
     confirm_request,
     consume_request,
     drain_request,
     nack_request,
-    parse_hosts,
     pause_request,
     peek_request,
     produce_request,
     request_wait_s,
-    security,
     shorter_long_poll,
     show_request,
     touch_request,
@@ -76,14 +73,22 @@ from .core import (
 
 
 class _Connection:
+    """A socket to one node, and the selector `Client._pump` waits on.
+
+    `selectors.DefaultSelector` (epoll, kqueue, else poll), not
+    `select.select`: select() refuses descriptors >= FD_SETSIZE (1024),
+    which a process with many files or sockets open (a Spark executor, a web
+    server) hands out. One selector per connection, kept with it: `_pump`
+    only changes whether it waits to write."""
+
     def __init__(self, address: Address, timeout_s: float,
                  secure: Security | None = None) -> None:
         self.address = address
         sock = socket.create_connection(address, timeout=timeout_s)
-        # An SSLSocket, non-blocking once set up: select() may say readable
+        # An SSLSocket, non-blocking once set up: the selector may say readable
         # for a record that holds no answer (a TLS 1.3 session ticket), on
         # which a blocking recv would wait for the timeout; and it may hold
-        # decrypted bytes select() does not see (see Client._pump).
+        # decrypted bytes the selector does not see (see Client._pump).
         self.tls = False
         self.auth_pending = False  # the answer to our action 0 is the next one to read
         try:
@@ -105,13 +110,34 @@ class _Connection:
                     self.auth_pending = True
                 if self.tls:
                     sock.setblocking(False)
+            selector = selectors.DefaultSelector()
+            try:
+                selector.register(sock, selectors.EVENT_READ)
+            except BaseException:
+                selector.close()
+                raise
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+        self.selector = selector
+        self.events = selectors.EVENT_READ  # what the selector waits for now
         self.lines = _Lines()
 
+    def wait(self, write: bool, timeout_s: float) -> tuple[bool, bool]:
+        """Wait until the socket is readable, or writable if `write`, for
+        at most `timeout_s`; returns (readable, writable)."""
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
+        if events != self.events:
+            self.selector.modify(self.sock, events)
+            self.events = events
+        ready = 0
+        for _, mask in self.selector.select(timeout_s):
+            ready |= mask
+        return bool(ready & selectors.EVENT_READ), bool(ready & selectors.EVENT_WRITE)
+
     def close(self) -> None:
+        self.selector.close()
         self.sock.close()
 
 
@@ -136,13 +162,20 @@ class _Lane:
 class Client:
     """A blocking qserver client over TCP (see the package docstring).
 
-    `hosts`: "host:port" strings or (host, port) tuples, or one
-    comma-separated string; any node of the cluster will do, several let the
-    client survive the loss of one. `timeout`: seconds one node may stay
-    silent (a long poll's `wait` is added to it). `retry_for`: seconds of
-    retrying (other nodes, no leader) before raising. `long_poll`: the wait
-    of each long poll of `messages` and `process` (lowered by the client if
-    a node's max_wait is lower). Connects on first use.
+    `hosts`: "host:port" strings or (host, port) tuples, one
+    comma-separated string, or a URL `qserver://host:port,host:port/?
+    timeout=5&token=...` (`qservers://` for TLS; see `parse_target`); any
+    node of the cluster will do, several let the client survive the loss of
+    one. None: `$QSERVER_SERVERS`, in any of these forms. The client starts
+    at a node picked at random (the list is shuffled once per client, so
+    that clients spread over the nodes) unless `shuffle=False`, which keeps
+    the order given (a preferred node first). `timeout`: seconds one node
+    may stay silent (a long poll's `wait` is added to it; default: the
+    URL's, else `$QSERVER_TIMEOUT`, else 5). `retry_for`: seconds of
+    retrying (other nodes, no leader) before raising (default 10).
+    `long_poll`: the wait of each long poll of `messages` and `process`
+    (default 20; lowered by the client if a node's max_wait is lower).
+    Arguments given win over the URL's settings. Connects on first use.
 
     Nodes with `<security>` and `<tls>` (see "Authentication and TLS" in
     the package docstring): `token` is sent as action 0 first thing on
@@ -152,20 +185,30 @@ class Client:
     `tls_key` are the client's certificate for nodes that ask for one;
     `ssl_context` replaces the `tls_*` arguments. Raises `InvalidArgument`
     for a file that cannot be used, `Unauthorized` when a node refuses the
-    token.
+    token; `InvalidArgument` for a bad address, URL or environment
+    variable, naming it.
     """
 
-    def __init__(self, hosts: str | Iterable[str | Address], *, timeout: float = DEFAULT_TIMEOUT_S,
-                 retry_for: float = DEFAULT_RETRY_FOR_S, long_poll: float = LONG_POLL_S,
+    def __init__(self, hosts: str | Iterable[str | Address] | None = None, *,
+                 timeout: float | None = None, retry_for: float | None = None,
+                 long_poll: float | None = None, shuffle: bool = True,
                  token: str | None = None, tls: bool = False, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
                  tls_server_hostname: str | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
-        self.timeout = timeout
-        self.long_poll = _long_poll_s(long_poll)
-        self._security = security(token, tls, tls_ca, tls_cert, tls_key, tls_server_hostname,
-                                  ssl_context)
-        self._main = _Lane(_Router(parse_hosts(hosts), retry_for))
+        settings = client_settings(
+            hosts, os.environ, timeout=timeout, retry_for=retry_for, long_poll=long_poll,
+            token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_hostname=tls_server_hostname, ssl_context=ssl_context)
+        self.timeout = settings.timeout_s
+        self.long_poll = settings.long_poll_s
+        self._security = settings.security
+        # The start node and the backoff's jitter (seeded from the OS).
+        self._rng = random.Random()
+        addresses = list(settings.addresses)
+        if shuffle:
+            self._rng.shuffle(addresses)
+        self._main = _Lane(_Router(addresses, settings.retry_for_s, rng=self._rng))
         self._seqs = itertools.count(1)
         # produce_many sends batch produces until a node refuses one as a
         # node without them does.
@@ -599,7 +642,8 @@ class Client:
             i = next((i for i, c in enumerate(conns) if c.address == address), None)
             conn = conns.pop(i) if i is not None else None
             generation = self._generation
-        router = _Router(self._main.router.addresses, self._main.router.retry_for_s, address)
+        router = _Router(self._main.router.addresses, self._main.router.retry_for_s, address,
+                         rng=self._rng)
         return _Lane(router, conn, generation)
 
     def _end_poll(self, lane: _Lane) -> None:
@@ -676,14 +720,14 @@ class Client:
                 out = memoryview(ex.take())
                 if not out and ex.idle:
                     return
-            readable, writable, _ = select.select([sock], [sock] if out else [], [], timeout_s)
+            readable, writable = conn.wait(bool(out), timeout_s)
             if not readable and not writable:
                 raise TimeoutError
             if writable:
                 try:
                     out = out[sock.send(out):]
                 except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                    pass  # TLS (non-blocking): the same bytes again once select() says so
+                    pass  # TLS (non-blocking): the same bytes again once the selector says so
             if readable:
                 try:
                     data = sock.recv(RECV_SIZE)
