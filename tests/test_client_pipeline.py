@@ -17,7 +17,7 @@ import pytest
 
 from procs import wait_until
 from qserver.client import AsyncClient, Client
-from qserver.errors import ClientTimeout, Unauthorized
+from qserver.errors import ClientConnectionError, ClientTimeout, Unauthorized
 
 DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
 TOKEN = "pipeline-admin-token-0123456789"
@@ -132,6 +132,24 @@ def test_a_connection_the_node_closed_while_idle_is_replaced_without_a_retry():
             await asyncio.sleep(0.2)  # the close arrives
             assert await c.produce("q", "b") == 1  # retry_for=0: no retry was needed
             assert len(accepted) == 2
+
+    asyncio.run(main())
+
+
+def test_a_node_that_closes_every_connection_at_once_is_a_failure_with_backoff():
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pass  # closed as soon as accepted
+
+    async def main() -> None:
+        async with scripted(node) as (address, accepted), \
+                AsyncClient(address, timeout=5, retry_for=1.0) as c:
+            start = time.monotonic()
+            results = await asyncio.gather(*(c.produce("q", str(i)) for i in range(10)),
+                                           return_exceptions=True)
+            assert all(isinstance(r, ClientConnectionError) for r in results), results
+            assert 1.0 <= time.monotonic() - start < DEADLINE_S
+            # failures counted and paused for, not a loop of new connections
+            assert len(accepted) < 200, len(accepted)
 
     asyncio.run(main())
 

@@ -687,8 +687,11 @@ class AsyncClient:
                 self._opening[address] = opening
             # shield: a caller cancelled meanwhile leaves the opening to the others
             pipe = await asyncio.shield(opening)
-            if pipe.error is None:
-                return pipe  # (replaced meanwhile, it still serves this call)
+            # Replaced meanwhile, it still serves this call; failed, the call
+            # sees why (a failure, counted). Only one replaced and already
+            # closed (nothing was due on it) is opened again.
+            if pipe.error is None or not pipe.retired:
+                return pipe
 
     async def _open_pipeline(self, address: Address) -> _Pipeline:
         try:
