@@ -10,8 +10,8 @@ fsync: one CRITICAL log line names it, and the process ends at once).
 A second SIGINT/SIGTERM during shutdown forces the exit.
 
 Client commands, against any node (`-s HOST:PORT`, repeatable or
-comma-separated; default $QSERVER_SERVERS, else 127.0.0.1:1111), through
-`qserver.client.Client`:
+comma-separated, or a qserver:// URL; default $QSERVER_SERVERS, else
+127.0.0.1:1111), through `qserver.client.Client`:
 
     qserver produce QUEUE DATA [--delay T] [--ttl T] [--retry D] [--priority N] [--dedup-id ID]
     qserver produce QUEUE - [--delay T] [--ttl T] [--retry D] [--priority N]
@@ -34,8 +34,9 @@ comma-separated; default $QSERVER_SERVERS, else 127.0.0.1:1111), through
     qserver transfer-leader NODE_ID
 
 The client options (-s, --json, --timeout, --retry-for, the token and TLS
-options) go before the command or after it; the command line wins over
-$QSERVER_SERVERS and $QSERVER_TIMEOUT (seconds, as the client reads them).
+options) go before the command or after it; the command line wins over a
+URL's settings, and they over $QSERVER_TIMEOUT (seconds, as the client
+reads it).
 A duration D is `30s`, `5m`, `2h`, `1d`, `1.5s`, `250ms`, `1h30m` or plain
 seconds; a time T is a duration from now, a plain number as the protocol
 takes it (from 1,000,000,000 on an absolute unix time), or an ISO 8601
@@ -91,12 +92,15 @@ import re
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config, load_config, log_level
 from .errors import ConfigError, InvalidArgument, QServerClientError, ServerError
 from .logformat import LOG_FORMATS, configure_logging
 from .storage import StorageError
+
+if TYPE_CHECKING:
+    from .client.core import Target
 
 __all__ = ["main"]
 
@@ -301,12 +305,12 @@ def _client_option_parser(server_dest: str) -> argparse.ArgumentParser:
     the main one); _apply_client_defaults fills in the rest."""
     p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     p.add_argument("-s", "--server", action="append", dest=server_dest, metavar="HOST:PORT",
-                   help=f"a node to ask; repeat, or separate with commas, for several "
-                        f"(default ${SERVERS_ENV}, else {DEFAULT_SERVER})")
+                   help=f"a node to ask; repeat, or separate with commas, for several; or "
+                        f"a qserver:// URL (default ${SERVERS_ENV}, else {DEFAULT_SERVER})")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     p.add_argument("--timeout", type=_duration, metavar="DURATION",
-                   help=f"how long a node may stay silent (default ${TIMEOUT_ENV}, "
-                        f"else {CLI_TIMEOUT_S:g}s)")
+                   help=f"how long a node may stay silent (default: a URL's timeout, "
+                        f"${TIMEOUT_ENV} in seconds, else {CLI_TIMEOUT_S:g}s)")
     p.add_argument("--retry-for", type=_duration, metavar="DURATION",
                    help=f"how long to retry other nodes or wait for a master "
                         f"(default {CLI_RETRY_FOR_S:g}s)")
@@ -399,7 +403,7 @@ def _add_client_commands(sub) -> None:
     listing.add_argument("pattern", nargs="?", default="")
     sub.add_parser("leader", parents=[common], help="the master's node id and address")
     sub.add_parser("status", parents=[common],
-                   help="every node's role, vote_id, trans_id, commit_id and lag")
+                   help="every node's address, role, vote_id, trans_id, commit_id and lag")
     sub.add_parser("health", parents=[common],
                    help="whether each node is ready for clients, and why not "
                         "(exit status 0 when all are)")
@@ -460,16 +464,29 @@ def _client_options(args) -> dict[str, Any]:
 
 
 def _apply_client_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """Fill in the client options neither copy was given (_client_option_parser):
-    `timeout` from $QSERVER_TIMEOUT (seconds), else CLI_TIMEOUT_S; the rest from
-    CLIENT_DEFAULTS. Sets `addresses`: the -s values, before the command
-    then after it, else $QSERVER_SERVERS, else DEFAULT_SERVER, each value
-    split at commas. Raises InvalidArgument naming the option or variable."""
-    from .client import parse_hosts
-
-    for dest, value in CLIENT_DEFAULTS.items():
-        if not hasattr(args, dest):
-            setattr(args, dest, value)
+    """Fill in the client options neither copy was given (_client_option_parser).
+    Sets `addresses`: the -s values, before the command then after it (each
+    split at commas, or one qserver:// URL), else $QSERVER_SERVERS (the
+    same forms), else DEFAULT_SERVER. A URL's settings (timeout, retry_for,
+    token, tls_*; qservers:// for TLS) count where the option was not
+    given; then `timeout` comes from $QSERVER_TIMEOUT (seconds, as the
+    client reads it), and the rest from CLI_TIMEOUT_S and CLIENT_DEFAULTS.
+    The URL's long_poll means nothing to these commands. Raises
+    InvalidArgument naming the option or variable."""
+    given = [*getattr(args, SERVERS_BEFORE, ()), *getattr(args, "server", ())]
+    source = "-s"
+    if not given and environ.get(SERVERS_ENV, "").strip():
+        given, source = [environ[SERVERS_ENV]], f"${SERVERS_ENV}"
+    target = _target(given or [DEFAULT_SERVER], source)
+    args.addresses = target.addresses
+    url = target.options
+    for dest in ("timeout", "retry_for", "tls_ca", "tls_cert", "tls_key", "tls_server_hostname"):
+        if not hasattr(args, dest) and dest in url:
+            setattr(args, dest, url[dest])
+    if "token" in url and not hasattr(args, "token") and not hasattr(args, "token_file"):
+        args.token = url["token"]  # before $QSERVER_TOKEN (_client_options): more particular
+    if url.get("tls"):
+        args.tls = True
     if not hasattr(args, "timeout"):
         # Read as the client reads it (plain seconds): one value works for
         # both, where "30s" would break the programs that share it.
@@ -482,15 +499,27 @@ def _apply_client_defaults(args: argparse.Namespace, environ: Mapping[str, str])
                 args.timeout = math.nan
             if not math.isfinite(args.timeout) or args.timeout <= 0:
                 raise InvalidArgument(f"${TIMEOUT_ENV}={text!r}: not a number of seconds > 0")
-    given = [*getattr(args, SERVERS_BEFORE, ()), *getattr(args, "server", ())]
-    source = "-s"
-    if not given and environ.get(SERVERS_ENV, "").strip():
-        given, source = [environ[SERVERS_ENV]], f"${SERVERS_ENV}"
-    items = [item for text in given for item in text.split(",") if item.strip()]
-    if given and not items:
-        raise InvalidArgument(f"{source}: no HOST:PORT in {', '.join(map(repr, given))}")
+    for dest, value in CLIENT_DEFAULTS.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, value)
+
+
+def _target(values: list[str], source: str) -> Target:
+    """The addresses, and a URL's settings, of -s or $QSERVER_SERVERS
+    (`source`): HOST:PORT lists, or one qserver:// URL. Raises
+    InvalidArgument naming `source` (never a URL's token)."""
+    from .client.core import parse_target
+
+    if any("://" in value for value in values):
+        if len(values) > 1:
+            raise InvalidArgument(f"{source}: a qserver:// URL names every node: give it alone")
+        spec: str | list[str] = values[0].strip()
+    else:
+        spec = [item.strip() for value in values for item in value.split(",") if item.strip()]
+        if not spec:
+            raise InvalidArgument(f"{source}: no HOST:PORT in {', '.join(map(repr, values))}")
     try:
-        args.addresses = parse_hosts(items or [DEFAULT_SERVER])
+        return parse_target(spec)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{source}: {exc}") from None
 

@@ -205,6 +205,32 @@ def test_environment_variables():
         parsed(["leader", "-s", ","])
 
 
+def test_a_url_in_the_environment_or_in_s():
+    url = "qserver://h1:1,h2:2/?timeout=7&retry_for=1&token=tk"
+    args = parsed(["leader"], {"QSERVER_SERVERS": url, "QSERVER_TIMEOUT": "9"})
+    assert args.addresses == [("h1", 1), ("h2", 2)]
+    assert (args.timeout, args.retry_for, args.token, args.tls) == (7.0, 1.0, "tk", False)
+    # the command line wins over the URL's settings, the URL over $QSERVER_TIMEOUT
+    args = parsed(["leader", "--timeout", "3", "--retry-for", "2s", "--token", "mine"],
+                  {"QSERVER_SERVERS": url, "QSERVER_TIMEOUT": "9"})
+    assert (args.timeout, args.retry_for, args.token) == (3.0, 2.0, "mine")
+    args = parsed(["leader", "--token-file", "f"], {"QSERVER_SERVERS": url})
+    assert (args.token, args.token_file) == (None, "f")  # the file's token, not the URL's
+    args = parsed(["leader"], {"QSERVER_SERVERS": "qserver://h1:1", "QSERVER_TIMEOUT": "9"})
+    assert (args.timeout, args.retry_for, args.token) == (9.0, cli.CLI_RETRY_FOR_S, None)
+    # -s wins over the variable, settings and all; a URL in -s; qservers:// is TLS
+    args = parsed(["-s", "qservers://h3:3/?tls_ca=ca.pem", "leader"], {"QSERVER_SERVERS": url})
+    assert (args.addresses, args.tls, args.tls_ca, args.token, args.timeout) == (
+        [("h3", 3)], True, "ca.pem", None, 5.0)
+    with pytest.raises(InvalidArgument, match=r"^-s: a qserver:// URL names every node"):
+        parsed(["-s", "qserver://h1:1", "leader", "-s", "h2:2"])
+    for bad in ("qserver://h1:1/?token=s3cret&nope=1", "http://h1:1/?token=s3cret",
+                "qserver://h1/?token=s3cret"):
+        with pytest.raises(InvalidArgument, match=r"^\$QSERVER_SERVERS: ") as info:
+            parsed(["leader"], {"QSERVER_SERVERS": bad})
+        assert "s3cret" not in str(info.value)
+
+
 # -- monitor's rows (no server) --------------------------------------------------------
 
 
@@ -234,7 +260,7 @@ def test_nested_fields_as_rows_and_tables():
         "  2     10.0.0.2:1112  7         0    yes",
         "  3     -              5         2    no",
     ]
-    # without addresses, as the engines' slaves() gives them today
+    # without addresses (a slave whose link has not come up since the master started)
     lines = _field_lines({"slaves": [{"node_id": 2, "match_id": 1, "lag": 0,
                                       "connected": True}]})
     assert lines == ["slaves:", "  NODE  MATCH_ID  LAG  CONNECTED", "  2     1         0    yes"]
@@ -282,6 +308,23 @@ def test_environment_against_a_node(stored_node):
         "qserver: $QSERVER_TIMEOUT='a while': not a number of seconds > 0\n")
     r = qserver_cmd("leader", env={"QSERVER_SERVERS": "localhost"})
     assert r.returncode == 2 and r.stderr.startswith("qserver: $QSERVER_SERVERS: ")
+
+
+def test_a_url_against_nodes(stored_node, fake_node, capsys, monkeypatch):  # noqa: F811
+    at = f"127.0.0.1:{stored_node.port}"
+    r = qserver_cmd("produce", "url_q", "x",
+                    env={"QSERVER_SERVERS": f"qserver://{at}/?timeout=20&retry_for=20"})
+    assert (r.returncode, r.stdout) == (0, "produced msg_id 1 in url_q\n"), r.stderr
+    r = qserver_cmd("-s", f"qserver://{at}", "consume", "url_q")
+    assert (r.returncode, r.stdout) == (0, "msg_id 1: x\n"), r.stderr
+    # the URL's token goes as action 0, ahead of the request; --token wins
+    node = fake_node(lambda request: {"msg_id": 5} if request["action"] == 1 else {})
+    monkeypatch.setenv("QSERVER_SERVERS", f"qserver://127.0.0.1:{node.port}/?token=from-url")
+    assert main(["produce", "q", "x"]) == 0
+    assert main(["produce", "q", "y", "--token", "from-option"]) == 0
+    assert capsys.readouterr().out == "produced msg_id 5 in q\n" * 2
+    tokens = [r["token"] for r in node.requests if r["action"] == 0]
+    assert tokens == ["from-url", "from-option"]
 
 
 def hold_produces(request: dict):
@@ -388,31 +431,26 @@ def test_status_and_monitor_on_a_cluster(cluster, engine):
     rows = wait_until(settled, DEADLINE_S)
     assert {r["node_id"]: r["address"] for r in rows} == addresses
     assert all(r["asked"] == r["address"] for r in rows)
-    # one node asked: it and the master it names have addresses, the rest of
-    # the master's slaves are "(not asked)" unless the master gives theirs
+    # one node asked: it, the master it names, and the slaves the master
+    # gives the addresses of (every one, once their links are up) are asked
     rows = status(addresses[slave])
     by_id = {r["node_id"]: r for r in rows}
     assert set(by_id) == {1, 2, 3}
-    assert by_id[slave]["address"] == addresses[slave]
-    assert by_id[m]["address"] == addresses[m] and by_id[m]["role"] == "master"
-    for r in rows:
-        assert r["address"] in (addresses[r["node_id"]], None)
-        assert (r["address"] is None) == (r["asked"] is None)
+    assert by_id[m]["role"] == "master"
+    assert {i: (r["address"], r["asked"]) for i, r in by_id.items()} == {
+        i: (a, a) for i, a in addresses.items()}
     r = qserver_cmd("status", "-s", addresses[slave])
     lines = r.stdout.splitlines()
     assert lines[0].split()[:3] == ["NODE", "ADDRESS", "ROLE"] and len(lines) == 4
-    for line in lines[1:]:
-        node, address = line.split()[:2]
-        assert address == addresses[int(node)] or line.split(None, 1)[1].startswith(
-            "(not asked)"), line
-    # monitor through a slave: the master's view, slaves as a table
+    assert {int(line.split()[0]): line.split()[1] for line in lines[1:]} == addresses
+    # monitor through a slave: the master's view, slaves as a table with addresses
     r = qserver_cmd("monitor", "-s", addresses[slave])
     assert r.returncode == 0 and "{" not in r.stdout, r.stderr
     lines = r.stdout.splitlines()
     table = lines[lines.index("slaves:") + 1:]
-    assert table[0].split()[0] == "NODE" and "CONNECTED" in table[0].split()
-    assert sorted(int(line.split()[0]) for line in table[1:]) == sorted(
-        i for i in range(1, 4) if i != m)
+    assert table[0].split()[:2] == ["NODE", "ADDRESS"] and "CONNECTED" in table[0].split()
+    assert {int(line.split()[0]): line.split()[1] for line in table[1:]} == {
+        i: a for i, a in addresses.items() if i != m}
 
 
 def test_status_asks_the_slaves_the_master_gives_addresses_of(fake_node, capsys):  # noqa: F811
