@@ -103,6 +103,22 @@ def consume_all(port: int, queue: str) -> list[str]:
         client.close()
 
 
+# What a transfer may answer when a busy machine delays it past its bounds
+# (an election timeout to catch up, another to win): asked again.
+LATE = ("node not caught up", "transfer timed out")
+
+
+def transfer_asking_again(c: Cluster, node: int, target: int, tries: int = 3) -> dict | None:
+    """transfer_via, asked again (to the master then) while the answer is a
+    bound that ran out (LATE); the last answer."""
+    r = transfer_via(c, node, target)
+    for _ in range(tries - 1):
+        if r is None or r.get("reason") not in LATE:
+            break
+        r = transfer_via(c, c.wait_master(DEADLINE_S), target)
+    return r
+
+
 def transfer_via(c: Cluster, node: int, target: int) -> dict | None:
     """Action 20 (transfer leader to `target`) sent to `node`; None if it
     is down. (Cluster.ask takes node_id for itself.)"""
@@ -120,6 +136,23 @@ def transfer_via(c: Cluster, node: int, target: int) -> dict | None:
         client.close()
 
 
+def took_over(c: Cluster, engine: str, r: dict | None, target: int,
+              intervened: list[tuple[int, int]]) -> None:
+    """A transfer to `target` answered: that node took over (the cluster's
+    master is it). On raft another node may win instead: pysyncobj has no
+    pre-vote, and a transfer election that a busy machine delays past
+    another node's timeout is followed by an ordinary one, which any node
+    may win; Engine.transfer_leader answers the node that took over (README,
+    "Drain and leader transfer"). That is noted in `intervened`."""
+    assert r is not None and r["code"] == 0, r
+    if engine == "raft" and r["leader_node_id"] != target:
+        assert r["leader_node_id"] in range(1, c.n + 1), r
+        intervened.append((target, r["leader_node_id"]))
+        return
+    assert r["leader_node_id"] == target, r
+    assert c.wait_master(DEADLINE_S) == target
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_transfer_leader_under_produce_load_loses_nothing(cluster, engine):
     c = cluster(engine=engine)
@@ -127,6 +160,7 @@ def test_transfer_leader_under_produce_load_loses_nothing(cluster, engine):
     probe = transfer_via(c, m, m)
     assert probe is not None and probe["code"] == 0 and probe["leader_node_id"] == m, probe
     load = Producers(c, "moving")
+    intervened: list[tuple[int, int]] = []  # (target, the node that won instead)
     load.start()
     try:
         wait_until(lambda: load.count() >= 200, DEADLINE_S)
@@ -134,14 +168,13 @@ def test_transfer_leader_under_produce_load_loses_nothing(cluster, engine):
             m = c.wait_master(DEADLINE_S)
             target = m % c.n + 1
             before = load.count()
-            r = transfer_via(c, m, target)
-            assert r is not None and r["code"] == 0, r
-            assert r["leader_node_id"] == target, r
-            assert c.wait_master(DEADLINE_S) == target
+            r = transfer_asking_again(c, m, target)
+            took_over(c, engine, r, target, intervened)
             wait_until(lambda b=before: load.count() >= b + 100, DEADLINE_S)  # writes go on
-        slave = next(i for i in range(1, c.n + 1) if i != target)
-        r = transfer_via(c, slave, slave)  # forwarded to the master
-        assert r is not None and r["code"] == 0 and r["leader_node_id"] == slave, r
+        m = c.wait_master(DEADLINE_S)
+        slave = next(i for i in range(1, c.n + 1) if i != m)
+        r = transfer_asking_again(c, slave, slave)  # forwarded to the master
+        took_over(c, engine, r, slave, intervened)
         r = transfer_via(c, c.wait_master(DEADLINE_S), 99)
         assert r is not None and r["code"] == -1 and r["reason"] == "no such node", r
     finally:
@@ -149,7 +182,8 @@ def test_transfer_leader_under_produce_load_loses_nothing(cluster, engine):
     acked = load.acked
     got = consume_all(c.port(c.wait_master(DEADLINE_S)), "moving")
     missing = acked - set(got)
-    assert not missing, f"{len(missing)} of {len(acked)} acknowledged produces lost"
+    assert not missing, (f"{len(missing)} of {len(acked)} acknowledged produces lost "
+                         f"(transfers won by another node: {intervened})")
 
 
 # -- in process, through the engine ----------------------------------------------------------
