@@ -10,6 +10,7 @@ conditions with generous deadlines: CI is a shared, noisy 2-core machine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -329,3 +331,79 @@ def stop(proc: subprocess.Popen) -> tuple[int, str]:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     return proc.returncode, err.decode()
+
+
+class ProducerThreads:
+    """Threads producing distinct messages to `queue` until stopped (a
+    load under which a test moves the master role); a subclass's
+    `_run(k)` is thread k's loop, which adds each acknowledged message's
+    data to `acked` under `lock` and ends once `stop_flag` is set."""
+
+    def __init__(self, queue: str, count: int, join_s: float = 30.0) -> None:
+        self.queue = queue
+        self.join_s = join_s
+        self.acked: set[str] = set()
+        self.lock = threading.Lock()
+        self.stop_flag = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                        for k in range(count)]
+
+    def _run(self, k: int) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(self.join_s)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.acked)
+
+
+def consume_all(port: int, queue: str, timeout_s: float = 30.0) -> list[str]:
+    """Every message of `queue` from the node at `port`, taken 1,000 at a
+    time (messages without a retry are deleted as they are delivered; a
+    test's at-least-once messages stay in flight, which is fine at its end)."""
+    client = TcpClient(port)
+    client.sock.settimeout(timeout_s)
+    got: list[str] = []
+    try:
+        while True:
+            r = client.request(action=2, queue=queue, count=1000)
+            assert r["code"] == 0, r
+            if not r["messages"]:
+                return got
+            got.extend(m["data"] for m in r["messages"])
+    finally:
+        client.close()
+
+
+# -- nodes in the test's own process (qserver.node.Node on an event loop) ----
+
+
+async def ask_async(port: int, request: dict, timeout_s: float = 30.0) -> dict:
+    """One request on a connection of its own to the node at `port`."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(json.dumps(request).encode())
+        return json.loads(await asyncio.wait_for(reader.readline(), timeout_s))
+    finally:
+        writer.close()
+
+
+async def until_async(predicate, what: str, deadline_s: float = 30.0):
+    """wait_until for a test on an event loop: `predicate()`'s first true
+    value, polled every 20 ms without blocking the loop; AssertionError
+    naming `what` after `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not before the deadline: {what}")

@@ -10,13 +10,12 @@ the test can step the wall clock of all of them at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
 import qserver.server
-from procs import cluster_config, free_port
+from procs import ask_async, cluster_config, free_port, until_async
 from qserver.config import load_config
 from qserver.engines.messages import Push
 from qserver.node import Node
@@ -30,22 +29,11 @@ DEADLINE_S = 60.0
 
 
 async def ask(port: int, request: dict) -> dict:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(json.dumps(request).encode())
-        return json.loads(await asyncio.wait_for(reader.readline(), DEADLINE_S))
-    finally:
-        writer.close()
+    return await ask_async(port, request, DEADLINE_S)
 
 
 async def until(predicate, what: str):
-    end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not before the deadline: {what}")
+    return await until_async(predicate, what, DEADLINE_S)
 
 
 def agreed_master(nodes: list[Node]) -> int | None:

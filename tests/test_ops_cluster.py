@@ -23,11 +23,10 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
-from procs import Cluster, TcpClient, free_port, wait_until
+from procs import Cluster, ProducerThreads, consume_all, free_port, wait_until
 from qserver.client import AsyncClient, Client
 from qserver.errors import QServerClientError
 
@@ -76,50 +75,16 @@ def ready(c: Cluster, node_id: int) -> bool:
     return r is not None and r["ready"] is True
 
 
-def consume_all(port: int, queue: str) -> list[str]:
-    """Every message of `queue`, taken 1,000 at a time (retry=0: deleted)."""
-    client = TcpClient(port)
-    client.sock.settimeout(DEADLINE_S)
-    got: list[str] = []
-    try:
-        while True:
-            r = client.request(action=2, queue=queue, count=1000)
-            assert r["code"] == 0, r
-            if not r["messages"]:
-                return got
-            got.extend(m["data"] for m in r["messages"])
-    finally:
-        client.close()
-
-
-class Producers:
+class Producers(ProducerThreads):
     """Threads producing distinct messages with the Python client (all three
     nodes given: it follows redirects and retries "no leader" and "outcome
     unknown") until stopped; a produce counts once `produce` returned its
     msg_id."""
 
     def __init__(self, c: Cluster, queue: str) -> None:
+        super().__init__(queue, PRODUCERS, DEADLINE_S)
         self.hosts = [server(c, i) for i in range(1, c.n + 1)]
-        self.queue = queue
-        self.acked: set[str] = set()
         self.failed = 0  # calls that raised (the outcome of each is unknown)
-        self.lock = threading.Lock()
-        self.stop_flag = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
-                        for k in range(PRODUCERS)]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def stop(self) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(DEADLINE_S)
-
-    def count(self) -> int:
-        with self.lock:
-            return len(self.acked)
 
     def _run(self, k: int) -> None:
         n = 0

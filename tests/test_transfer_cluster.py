@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
 
-from procs import Cluster, TcpClient, cluster_config, free_port, wait_until
+from procs import (
+    Cluster,
+    ProducerThreads,
+    TcpClient,
+    ask_async,
+    cluster_config,
+    consume_all,
+    free_port,
+    until_async,
+    wait_until,
+)
 from qserver.config import load_config
 from qserver.node import Node
 
@@ -29,34 +38,16 @@ PRODUCERS = 4
 # -- real processes, action 20 ----------------------------------------------------------
 
 
-class Producers:
+class Producers(ProducerThreads):
     """Threads producing distinct messages through the cluster's nodes
     until stopped; a produce counts once its answer is code 0. Errors
     ("no leader" while the role moves, a closed connection) move the
     thread to the next node after a short pause, as clients do."""
 
     def __init__(self, c: Cluster, queue: str, count: int = PRODUCERS) -> None:
+        super().__init__(queue, count, DEADLINE_S)
         self.c = c
-        self.queue = queue
-        self.acked: set[str] = set()
         self.errors: dict[str, int] = {}
-        self.lock = threading.Lock()
-        self.stop_flag = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
-                        for k in range(count)]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def stop(self) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(DEADLINE_S)
-
-    def count(self) -> int:
-        with self.lock:
-            return len(self.acked)
 
     def _run(self, k: int) -> None:
         node = k % self.c.n + 1
@@ -86,21 +77,6 @@ class Producers:
             time.sleep(0.02)
         if client is not None:
             client.close()
-
-
-def consume_all(port: int, queue: str) -> list[str]:
-    client = TcpClient(port)
-    got: list[str] = []
-    try:
-        while True:
-            r = client.request(action=2, queue=queue)
-            assert r["code"] == 0, r
-            if "msg_id" not in r:
-                return got
-            got.append(r["data"])
-            client.request(action=3, queue=queue, msg_id=r["msg_id"])
-    finally:
-        client.close()
 
 
 # What a transfer may answer when a busy machine delays it past its bounds
@@ -190,22 +166,11 @@ def test_transfer_leader_under_produce_load_loses_nothing(cluster, engine):
 
 
 async def ask(port: int, request: dict) -> dict:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(json.dumps(request).encode())
-        return json.loads(await asyncio.wait_for(reader.readline(), DEADLINE_S))
-    finally:
-        writer.close()
+    return await ask_async(port, request, DEADLINE_S)
 
 
 async def until(predicate, what: str):
-    end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not before the deadline: {what}")
+    return await until_async(predicate, what, DEADLINE_S)
 
 
 def agreed_master(nodes: list[Node]) -> int | None:
@@ -294,8 +259,16 @@ def test_engine_transfer_under_load_in_process(tmp_path, engine, mode):
                 m = await until(lambda: agreed_master(nodes), "a master")
                 target = m % 3 + 1
                 before = len(acked)
-                assert await transfer(by_id[m], target) == (target, None)
-                assert await until(lambda: agreed_master(nodes), "the new master") == target
+                leader, reason = await transfer(by_id[m], target)
+                for _ in range(2):  # a bound that a busy machine ran out: asked again
+                    if reason not in LATE:
+                        break
+                    m = await until(lambda: agreed_master(nodes), "a master")
+                    leader, reason = await transfer(by_id[m], target)
+                assert reason is None and leader is not None, (leader, reason)
+                if engine != "raft" or leader == target:  # raft: another may win (took_over)
+                    assert leader == target
+                    assert await until(lambda: agreed_master(nodes), "the new master") == target
                 await until(lambda b=before: len(acked) >= b + 100, "writes after the transfer")
         finally:
             stop.set()
