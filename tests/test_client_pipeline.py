@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from procs import wait_until
+from procs import until_async, wait_until
 from qserver.client import AsyncClient, Client
 from qserver.errors import ClientConnectionError, ClientTimeout, Unauthorized
 
@@ -308,3 +308,35 @@ def test_concurrent_tasks_survive_kill_9_of_the_node_they_talk_to(cluster):
             delivery.confirm()
     assert {got.get(msg_id) for msg_id in acked.values()} == set(acked)  # none lost
     assert len(got) == len(set(got.values()))  # none stored twice (dedup_id)
+
+
+def test_closing_drops_what_a_node_that_stopped_reading_never_took():
+    """Calls cancelled while their requests wait in the connection's buffer
+    (the node stopped reading): closing the client closes the socket at
+    once, those requests unsent. (asyncio's close() would hold the socket
+    open until they were sent: past the end of the event loop, an unclosed
+    transport; CI saw one.)"""
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await release.wait()  # reads nothing: the kernel's buffers fill up
+
+        async with scripted(stalled) as (host, _):
+            c = AsyncClient(host, timeout=DEADLINE_S, retry_for=DEADLINE_S)
+            items = [{"queue": "stalled", "data": "x" * 10_000}] * 200
+            tasks = [asyncio.create_task(c.produce_many(items)) for _ in range(20)]
+            # (the client's private state: what the test must see)
+            pipe = await until_async(lambda: (p := c._pipe) is not None
+                                     and p._writable is not None and p, "writing paused",
+                                     DEADLINE_S)
+            assert pipe._transport.get_write_buffer_size() > 0
+            sock = pipe._transport.get_extra_info("socket")
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await c.close()
+            await until_async(lambda: sock.fileno() == -1, "the socket closed", DEADLINE_S)
+            release.set()
+
+    asyncio.run(main())

@@ -310,7 +310,14 @@ class _Pipeline(asyncio.Protocol):
             self._timer = None
         self._owners.clear()
         if self._transport is not None:
-            self._transport.close()
+            # Requests still buffered (a node that stopped reading, calls
+            # cancelled mid-write) are dropped with the connection: close()
+            # would keep the socket open until they were sent, past the end
+            # of the event loop.
+            if self._transport.get_write_buffer_size():
+                self._transport.abort()
+            else:
+                self._transport.close()
         self.resume_writing()
         for turn in self._turns:
             turn.wake()
