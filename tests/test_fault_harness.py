@@ -42,7 +42,7 @@ DEADLINE_S = 60.0  # generous: CI is a shared, noisy 2-core machine
 
 @pytest.mark.parametrize("engine,fsync", [("native", "always"), ("raft", "batch")])
 def test_short_fault_run_finds_no_violation(tmp_path, engine, fsync):
-    cfg = RunConfig(engine=engine, fsync=fsync, duration_s=50.0, seed=12)
+    cfg = RunConfig(engine=engine, fsync=fsync, duration_s=30.0, seed=12)
     report, _ = run(cfg, tmp_path, log=lambda line: None)
     text = format_report(report)
     print(text)  # shown by pytest on failure

@@ -22,21 +22,22 @@ cluster, with at-least-once messages (produced with a retry):
    the interrupted batch whole, in its order (read again by id); nothing is
    left in the queue.
 
-Three cases:
+Two cases (some 40 s each here):
 
 - a 60 s lease outlasts the restart: the new driver's confirm of the
   replayed batch finds the first delivery, nothing reaches the sink twice;
-- a 3 s lease runs out while no driver is up (the test waits for it): the
-  interrupted batch's messages are deliverable again when the new driver
-  starts. Duplicates are allowed here, counted and named in the assertions'
-  messages (none come on PySpark 4.2 and later: the replay's confirm comes
-  before the new driver's first consume, and a receipt stays good until the
-  message is delivered again);
-- the same, and meanwhile another consumer takes those messages and never
-  confirms them: they are delivered again. The replay still reads them by
-  id, its confirm finds their receipts stale and says so, and once the other
-  consumer's lease runs out they reach the sink a second time: exactly the
-  interrupted batch is duplicated, nothing is lost.
+- a 3 s lease runs out while no driver is up (the test waits for the
+  interrupted batch's messages to be deliverable again), and meanwhile
+  another consumer takes those messages and never confirms them: they are
+  delivered again. The replay still reads them by id, its confirm finds
+  their receipts stale and says so, and once the other consumer's lease
+  runs out they reach the sink a second time: exactly the interrupted batch
+  is duplicated, nothing is lost.
+
+(A lease that runs out with no other consumer is the second case without
+its consumer; run with the parametrization below extended by
+`(SHORT_LEASE_S, False)` it passes too, with duplicates allowed there: it
+was dropped from the suite for time.)
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ def states(client: Client, refs: tuple[MessageRef, ...]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("lease_s, other_consumer", [
-    (60.0, False), (SHORT_LEASE_S, False), (SHORT_LEASE_S, True),
-], ids=["lease-outlasts-restart", "lease-runs-out-while-down", "another-consumer-takes-them"])
+    (60.0, False), (SHORT_LEASE_S, True),
+], ids=["lease-outlasts-restart", "another-consumer-takes-them"])
 def test_driver_killed_mid_stream_and_restarted_from_its_checkpoint(cluster, tmp_path, lease_s,
                                                                     other_consumer):
     c: Cluster = cluster()
