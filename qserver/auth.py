@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import ACTION_NAMES, ClientToken
+from .wire.codec import error_response
 
 __all__ = ["Guard", "FailureLog", "UNAUTHORIZED", "AUTH_ACTION", "LOG_BURST", "LOG_WINDOW_MS"]
 
@@ -123,7 +124,7 @@ class Guard:
                 obj["name"] = found.name
                 return found, None
             reason = BAD_TOKEN if type(presented) is str else NOT_A_STRING
-        _refuse(obj, reason)
+        error_response(reason, obj)
         return None, reason
 
     def authorize(self, obj: dict[str, Any], connection: ClientToken | None) -> str | None:
@@ -136,10 +137,10 @@ class Guard:
             token = self.lookup(presented)
             if token is None:
                 reason = BAD_TOKEN if type(presented) is str else NOT_A_STRING
-                _refuse(obj, reason)
+                error_response(reason, obj)
                 return reason
         elif connection is None:
-            _refuse(obj, NO_TOKEN)
+            error_response(NO_TOKEN, obj)
             return NO_TOKEN
         else:
             token = connection
@@ -147,7 +148,7 @@ class Guard:
         if type(action) is int and action in token.actions:
             return None
         reason = not_allowed(token, action)
-        _refuse(obj, reason)
+        error_response(reason, obj)
         return reason
 
 
@@ -159,14 +160,6 @@ def not_allowed(token: ClientToken, action: object) -> str:
     else:
         what = f"action {action!r}"
     return f"{UNAUTHORIZED}: token {token.name!r} is not allowed {what}"
-
-
-def _refuse(obj: dict[str, Any], reason: str) -> None:
-    """`obj` becomes its refusal (as codec.error_response: no data back)."""
-    obj.pop("data", None)
-    obj.pop("messages", None)
-    obj["code"] = -1
-    obj["reason"] = reason
 
 
 class FailureLog:
