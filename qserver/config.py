@@ -732,6 +732,19 @@ _SECTIONS = ("log", "node_info", "queue_config", "replication", "storage", "limi
              "http", "tls")
 
 
+def _children(file: str, el: ET.Element, path: str, tag: str) -> list[_Reader]:
+    """The <tag> children of `el` (at `path`), comments skipped; any other
+    element is a ConfigError naming it."""
+    out = []
+    for child in el:
+        if not isinstance(child.tag, str):
+            continue  # comments, processing instructions
+        if child.tag != tag:
+            raise ConfigError(file, f"{path}/{child.tag}", f"unknown element (expected <{tag}>)")
+        out.append(_Reader(file, f"{path}/{tag}", child.attrib))
+    return out
+
+
 def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
     """Parse queue_server's XML configuration. Raises ConfigError."""
     try:
@@ -751,13 +764,7 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
             if "security" in sections:
                 raise ConfigError(file, el.tag, "given twice")
             sections["security"] = _Reader(file, "security", el.attrib)
-            for t in el:
-                if not isinstance(t.tag, str):
-                    continue
-                if t.tag != "token":
-                    raise ConfigError(file, f"security/{t.tag}",
-                                      "unknown element (expected <token>)")
-                tokens.append(_Reader(file, "security/token", t.attrib))
+            tokens.extend(_children(file, el, "security", "token"))
         elif el.tag in _SECTIONS:
             if el.tag in sections:
                 raise ConfigError(file, el.tag, "given twice")
@@ -766,22 +773,10 @@ def parse_xml(text: str | bytes, file: str = "<string>") -> Config:
             if cluster is not None:
                 raise ConfigError(file, "cluster", "given twice")
             cluster = _Reader(file, "cluster", el.attrib)
-            for n in el:
-                if not isinstance(n.tag, str):
-                    continue
-                if n.tag != "node":
-                    raise ConfigError(file, f"cluster/{n.tag}", "unknown element (expected <node>)")
-                nodes.append(_Reader(file, "cluster/node", n.attrib))
+            nodes.extend(_children(file, el, "cluster", "node"))
         elif el.tag == "virtual_queue":
-            members = []
-            for q in el:
-                if not isinstance(q.tag, str):
-                    continue
-                if q.tag != "queue":
-                    raise ConfigError(file, f"virtual_queue/{q.tag}",
-                                      "unknown element (expected <queue>)")
-                members.append(_Reader(file, "virtual_queue/queue", q.attrib))
-            virtual.append((_Reader(file, "virtual_queue", el.attrib), members))
+            virtual.append((_Reader(file, "virtual_queue", el.attrib),
+                            _children(file, el, "virtual_queue", "queue")))
         elif el.tag == "queue":
             for child in el:
                 if isinstance(child.tag, str):
