@@ -370,7 +370,6 @@ class Node:
         loop.set_exception_handler(self._previous_handler)
         log.info("qserver node %d stopped", self.config.node_id)
 
-
     async def _hand_over(self) -> None:
         """A cluster's master that stops in order drains first: its role
         goes to its most up-to-date slave (leader transfer), new client

@@ -85,22 +85,6 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def copy(self) -> Histogram:
-        """A histogram with the same bounds, counts and sum."""
-        other = Histogram.__new__(Histogram)
-        other.bounds_ns = self.bounds_ns
-        other.counts = list(self.counts)
-        other.sum_ns = self.sum_ns
-        other._first = self._first
-        return other
-
-    def merge(self, other: Histogram) -> None:
-        """Add `other`'s counts (same bounds) to these."""
-        counts = self.counts
-        for i, n in enumerate(other.counts):
-            counts[i] += n
-        self.sum_ns += other.sum_ns
-
 
 class RequestStats:
     """The client answers of one node (see the module docstring)."""
