@@ -1004,8 +1004,8 @@ def _status(servers: list[tuple[str, int]], args) -> int:
         try:
             with Client([address], timeout=args.timeout, retry_for=0, **options) as c:
                 response = c.request(request)
-        except Unauthorized:
-            raise  # not "down": the command fails and says why
+        except (Unauthorized, InvalidArgument):
+            raise  # not "down" (a refused token, a TLS file): the command fails and says why
         except QServerClientError:
             return None
         if response.get("code") == 0:
@@ -1113,6 +1113,7 @@ def _health(servers: list[tuple[str, int]], args) -> int:
     """Ask every given node whether it is ready for clients (109): 0 when
     every one is, 1 when one is not or does not answer."""
     from .client import Client
+    from .errors import Unauthorized
 
     options = _client_options(args)
     results: list[dict[str, Any]] = []
@@ -1123,6 +1124,8 @@ def _health(servers: list[tuple[str, int]], args) -> int:
             with Client([(host, port)], timeout=args.timeout, retry_for=args.retry_for,
                         **options) as c:
                 health = c.health()
+        except (Unauthorized, InvalidArgument):
+            raise  # not "no answer" (a refused token, a TLS file): as _status
         except QServerClientError as exc:
             health = {"ready": False, "reasons": [f"no answer: {type(exc).__name__}: {exc}"]}
         health = {"address": address, **health}

@@ -340,3 +340,66 @@ def test_closing_drops_what_a_node_that_stopped_reading_never_took():
             release.set()
 
     asyncio.run(main())
+
+
+def test_a_drain_or_transfer_the_node_holds_holds_up_no_other_call():
+    """A node answers a connection in order and holds a drain (108) or a
+    transfer (20) until the role has moved: they go on a connection of
+    their own, so produces on the shared one are answered meanwhile, and
+    the shared one never goes silent for `timeout` behind them."""
+    release = asyncio.Event()
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            r = await read_request(reader)
+            if r["action"] in (20, 108):
+                await release.wait()
+                writer.write(answer(r, draining=True, leader_node_id=2))
+            else:
+                writer.write(answer(r, msg_id=int(r["data"])))
+
+    async def main() -> None:
+        async with scripted(node) as (address, accepted), \
+                AsyncClient(address, timeout=0.5, retry_for=0) as c:
+            drain = asyncio.create_task(c.drain())
+            transfer = asyncio.create_task(c.transfer_leader(2))
+            await asyncio.sleep(0.1)
+            for i in range(5):  # 1 s in all: twice the timeout
+                ids = await asyncio.gather(*(c.produce("q", str(10 * i + k)) for k in range(10)))
+                assert ids == [10 * i + k for k in range(10)]
+                await asyncio.sleep(0.2)
+            assert not drain.done() and not transfer.done()
+            release.set()
+            assert await drain == {"draining": True, "leader_node_id": 2}
+            assert await transfer == 2
+            # the shared connection and one each for the held requests, at the
+            # same node: the one the client talks to
+            assert len(accepted) == 3
+
+    asyncio.run(main())
+
+
+def test_a_connection_opening_when_the_client_closes_is_closed_too():
+    """close() while a call's connection is still being opened: once it is
+    open it is closed, not installed on the closed client and left open."""
+    eof = asyncio.Event()
+
+    async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            pass
+        eof.set()  # the client closed its side
+
+    async def main() -> None:
+        async with scripted(node) as (address, accepted):
+            c = AsyncClient(address, timeout=DEADLINE_S, retry_for=0)
+            call = asyncio.create_task(c.produce("q", "x"))
+            await asyncio.sleep(0)  # the opening has begun
+            assert c._opening  # (the client's private state: what the test must see)
+            call.cancel()
+            await c.close()
+            await asyncio.wait_for(eof.wait(), DEADLINE_S)
+            assert c._pipe is None and not c._pipes and len(accepted) == 1
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    asyncio.run(main())

@@ -49,6 +49,7 @@ from .core import (
     BATCH_MAX_BYTES,
     BATCH_WINDOW,
     DEFAULT_WINDOW,
+    HELD_ACTION_S,
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
@@ -432,7 +433,8 @@ class AsyncClient:
 
     async def _one(self, obj: dict) -> dict:
         answer = (await self._exchange([obj], 1, stop_on_error=True,
-                                       wait_s=request_wait_s(obj)))[0]
+                                       wait_s=request_wait_s(obj),
+                                       home=obj.get("action") in HELD_ACTION_S))[0]
         assert answer is not None  # a lone request is answered once the exchange finishes
         return answer
 
@@ -643,25 +645,28 @@ class AsyncClient:
                 return got
 
     async def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
-                        wait_s: float = 0.0,
+                        wait_s: float = 0.0, home: bool = False,
                         batch_window: int | None = None) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
         if not wait_s:
             router = _Router(self._addresses, self._retry_for_s, self._home, rng=self._rng)
             return await self._run(router, None, requests, window, stop_on_error, 0.0,
                                    batch_window)
-        lane = self._poll_lane()
+        # A request the node holds (a long poll; a transfer or drain, to
+        # the node the client talks to: `home`) goes on a lane of its own.
+        lane = self._poll_lane(self._home if home else None)
         try:
             results = await self._run(lane.router, lane, requests, window, stop_on_error,
                                       wait_s, None)
-            self._poll_home = lane.router.address
+            if not home:
+                self._poll_home = lane.router.address
             return results
         finally:
             self._end_poll(lane)
 
-    def _poll_lane(self) -> _AsyncLane:
+    def _poll_lane(self, address: Address | None = None) -> _AsyncLane:
         """As `Client._poll_lane`."""
-        address = self._poll_home or self._home
+        address = address or self._poll_home or self._home
         conns = self._idle_polls
         i = next((i for i, c in enumerate(conns) if c.address == address), None)
         conn = conns.pop(i) if i is not None else None
@@ -689,7 +694,7 @@ class AsyncClient:
                 return pipe
             opening = self._opening.get(address)
             if opening is None:
-                opening = asyncio.ensure_future(self._open_pipeline(address))
+                opening = asyncio.ensure_future(self._open_pipeline(address, self._generation))
                 opening.add_done_callback(_retrieved)
                 self._opening[address] = opening
             # shield: a caller cancelled meanwhile leaves the opening to the others
@@ -700,11 +705,18 @@ class AsyncClient:
             if pipe.error is None or not pipe.retired:
                 return pipe
 
-    async def _open_pipeline(self, address: Address) -> _Pipeline:
+    async def _open_pipeline(self, address: Address, generation: int) -> _Pipeline:
+        """A new shared connection to `address`, asked for while the client
+        was in `generation` (taken when asked: this may start later)."""
         try:
             pipe = await _Pipeline.open(address, self.timeout, self._security)
         finally:
             del self._opening[address]
+        if generation != self._generation:
+            # close() came while it opened: it serves the calls that wait
+            # for it, then closes itself; the client holds nothing open
+            pipe.retire()
+            return pipe
         old, self._pipe = self._pipe, pipe
         self._pipes = {p for p in self._pipes if p.error is None}  # forget the closed ones
         self._pipes.add(pipe)

@@ -20,10 +20,10 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeGuard
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
     import random
@@ -241,6 +241,10 @@ class Target:
     addresses: list[Address]
     options: dict[str, Any]
 
+    def __repr__(self) -> str:  # a URL's token is never printed
+        shown = {k: ("..." if k == "token" else v) for k, v in self.options.items()}
+        return f"Target(addresses={self.addresses!r}, options={shown!r})"
+
 
 def parse_target(hosts: object, source: str = "hosts") -> Target:
     """`hosts` as `Client` takes it: "host:port" strings, (host, port)
@@ -302,10 +306,14 @@ def _parse_url(url: str, source: str) -> Target:
     options: dict[str, Any] = {}
     if URL_SCHEMES[parts.scheme]:
         options["tls"] = True
-    try:
-        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise InvalidArgument(f"{where}: the query is not name=value&name=value") from None
+    query = []
+    for pair in parts.query.split("&") if parts.query else ():
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise InvalidArgument(f"{where}: the query is not name=value&name=value")
+        # unquote, not parse_qsl's unquote_plus: a '+' (base64 tokens have
+        # them) stays a '+'; a space is %20
+        query.append((unquote(name), unquote(value)))
     for name, value in query:
         if name in options and name != "tls":
             raise InvalidArgument(f"{where}: query {name!r} given twice")
@@ -846,10 +854,22 @@ def drain_request(undo: object = False) -> dict:
     return {"action": 108, "drain": not undo}
 
 
+# What a node may hold a leader transfer (20) or a master's drain (108)
+# before it answers: the transfer's bounds (an election timeout to catch up,
+# one to win) for each of a drain's hand-over tries, with room to spare.
+HELD_ACTION_S = {20: 5.0, 108: 10.0}
+
+
 def request_wait_s(obj: dict) -> float:
-    """The seconds a server may hold `obj` before answering (its `wait`, for
-    a consume): the driver waits that long more than its timeout."""
-    wait = obj.get("wait") if obj.get("action") == 2 else None
+    """The seconds a server may hold `obj` before answering: a consume's
+    `wait`, or HELD_ACTION_S for a transfer or a drain. The driver waits
+    that long more than its timeout, and a request held at all goes on a
+    connection of its own (a long poll's), where it holds up no other
+    call's answers."""
+    action = obj.get("action")
+    if action in HELD_ACTION_S:
+        return HELD_ACTION_S[action]
+    wait = obj.get("wait") if action == 2 else None
     return float(wait) if _is_number(wait) and math.isfinite(wait) and wait > 0 else 0.0
 
 
@@ -972,13 +992,6 @@ _NO_SEQ = object()
 
 
 # -- the consumer helpers' long polls (no I/O) -----------------------------------
-
-
-def _long_poll_s(value: object) -> float:
-    """A client's `long_poll` argument, checked."""
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise InvalidArgument(f"long_poll must be seconds >= 0, not {value!r}")
-    return float(value)
 
 
 def shorter_long_poll(wait_s: float, error: ServerError) -> float | None:
@@ -1240,13 +1253,14 @@ class Security:
     `ssl_context` (None: plain TCP) wraps each connection in TLS, checking
     the node's certificate for `server_hostname` (None: the host dialed)."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never printed
     ssl_context: ssl.SSLContext | None = None
     server_hostname: str | None = None
+    # action 0 with the token, as sent on every new connection
+    auth_bytes: bytes = field(init=False, repr=False, compare=False)
 
-    @property
-    def auth_bytes(self) -> bytes:
-        return orjson.dumps({"action": 0, "token": self.token})
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "auth_bytes", orjson.dumps({"action": 0, "token": self.token}))
 
     def hostname(self, address: Address) -> str:
         return self.server_hostname or address[0]

@@ -27,6 +27,7 @@ from .core import (
     BATCH_MAX_BYTES,
     BATCH_WINDOW,
     DEFAULT_WINDOW,
+    HELD_ACTION_S,
     MAX_IDLE_POLL_CONNECTIONS,
     RECV_SIZE,
     Address,
@@ -263,7 +264,8 @@ class Client:
         return _checked(self._one(obj))
 
     def _one(self, obj: dict) -> dict:
-        answer = self._exchange([obj], 1, stop_on_error=True, wait_s=request_wait_s(obj))[0]
+        answer = self._exchange([obj], 1, stop_on_error=True, wait_s=request_wait_s(obj),
+                                home=obj.get("action") in HELD_ACTION_S)[0]
         assert answer is not None  # a lone request is answered once the exchange finishes
         return answer
 
@@ -617,26 +619,29 @@ class Client:
     # -- the driver ---------------------------------------------------------
 
     def _exchange(self, requests: Sequence[dict], window: int, *, stop_on_error: bool,
-                  wait_s: float = 0.0,
+                  wait_s: float = 0.0, home: bool = False,
                   batch_window: int | None = None) -> builtins.list[dict | None]:
         # (builtins.list: in this class, `list` is the method.)
         if not wait_s:
             with self._lock:
                 return self._run(self._main, requests, window, stop_on_error, 0.0,
                                  batch_window)
-        lane = self._poll_lane()
+        # A request the node holds (a long poll; a transfer or drain, to
+        # the node the client talks to: `home`) goes on a lane of its own.
+        lane = self._poll_lane(self._main.router.address if home else None)
         try:
             results = self._run(lane, requests, window, stop_on_error, wait_s, None)
-            self._poll_home = lane.router.address
+            if not home:
+                self._poll_home = lane.router.address
             return results
         finally:
             self._end_poll(lane)
 
-    def _poll_lane(self) -> _Lane:
-        """A lane for a long poll: a router that starts where the last long
-        poll was answered (else at the main lane's node), and an idle poll
-        connection to that node if there is one."""
-        address = self._poll_home or self._main.router.address
+    def _poll_lane(self, address: Address | None = None) -> _Lane:
+        """A lane for a long poll: a router that starts at `address`, else
+        where the last long poll was answered, else at the main lane's
+        node; and an idle poll connection to that node if there is one."""
+        address = address or self._poll_home or self._main.router.address
         with self._polls_lock:
             conns = self._idle_polls
             i = next((i for i, c in enumerate(conns) if c.address == address), None)
