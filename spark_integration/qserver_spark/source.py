@@ -46,9 +46,9 @@ One micro-batch, on the driver:
 After a restart from the checkpoint, the last batch of the offset log, if
 it is not in the commit log, is replayed: `readBetweenOffsets` reads its
 messages again by id (show, action 11), those the queue still holds, in
-their order. Then `read(start)` (PySpark 4.2 and later pass the
-checkpoint's offset as `start`; 4.0 and 4.1 the initial offset, and the
-batch waits for `commit`) confirms them.
+the offset's order (delivery order within each queue). Then `read(start)`
+(PySpark 4.2 and later pass the checkpoint's offset as `start`; 4.0 and
+4.1 the initial offset, and the batch waits for `commit`) confirms them.
 
 A receipt that is stale when confirmed means the lease ran out before the
 confirm and the message was (or will be) delivered again: to this query (a
@@ -86,7 +86,6 @@ from qserver.client.core import (
     STALE_RECEIPT,
     Message,
     confirm_request,
-    peek_request,
     show_request,
 )
 from qserver.errors import QServerClientError
@@ -96,15 +95,10 @@ from ._compat import SupportsTriggerAvailableNow
 from .errors import SourceError
 from .messages import delivered_batch, viewed_batch
 from .offsets import EMPTY, BatchOffset, MessageRef
+from .options import PIPELINE_WINDOW
 from .source_options import SourceOptions
 
-__all__ = ["QServerStreamReader", "QServerBatchReader", "QueuePartition", "PIPELINE_WINDOW",
-           "CONSUME_COUNT"]
-
-# Requests (confirms, shows) a client keeps in flight on its
-# connection: as the sink's PIPELINE_WINDOW, enough to hide the round trip
-# and the quorum commit of each.
-PIPELINE_WINDOW = 200
+__all__ = ["QServerStreamReader", "QServerBatchReader", "QueuePartition", "CONSUME_COUNT"]
 
 # Messages per consume request: the server's most (qserver.wire.requests
 # MAX_COUNT).
@@ -180,9 +174,14 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self._conn: Client | None = None
-        # Consumed by this process and not confirmed, oldest first; keyed
-        # by `_key` of the offset (as Spark hands offsets back).
-        self._held: dict[bytes, BatchOffset] = {}
+        # The batches this process consumed and has not confirmed, by `_key`
+        # of their offsets (as Spark hands offsets back), oldest first: only
+        # to tell them from a checkpoint's in the log. What is confirmed is
+        # always the offset Spark names, never a batch it has not named.
+        self._consumed: dict[bytes, None] = {}
+        # The last offset `_key` was taken of, and its key: Spark hands the
+        # same object back at every trigger until a batch has data.
+        self._last_key: tuple[dict, bytes] | None = None
         # The last batches confirmed (their keys): Spark's commit(end) of a
         # batch that read(start) confirmed already is not sent again.
         self._confirmed: deque[bytes] = deque(maxlen=CONFIRMED_KEYS)
@@ -229,7 +228,9 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
         offset = BatchOffset(tuple(MessageRef(m.queue, m.msg_id, m.receipt) for m in messages),
                              time.time())
         end = offset.to_json()
-        self._held[_key(end)] = offset
+        self._consumed[self._key(end)] = None
+        while len(self._consumed) > CONFIRMED_KEYS:  # named by Spark never: leases run out
+            del self._consumed[next(iter(self._consumed))]
         batch = delivered_batch(messages, self._dead_letter_views(client, messages))
         # A list's iterator: Spark's wrapper caches it and copies it
         # (copy.copy) to hand the rows to the JVM; a generator cannot be copied.
@@ -237,7 +238,8 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
 
     def readBetweenOffsets(self, start: dict, end: dict) -> Iterator[Any]:
         """A micro-batch again (on an executor, when Spark replays it):
-        its messages by id (show), those the queue still holds, in order."""
+        its messages by id (show), those the queue still holds, in the
+        offset's order (delivery order within each queue)."""
         offset = BatchOffset.from_json(end)
         if not offset.messages:
             return iter([])
@@ -284,34 +286,34 @@ class QServerStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailable
             self._conn = _client(self.opts, _master_first(self.opts))
         return self._conn
 
+    def _key(self, offset: dict) -> bytes:
+        """`_key(offset)`, once per offset object."""
+        last = self._last_key
+        if last is not None and last[0] is offset:
+            return last[1]
+        key = _key(offset)
+        self._last_key = (offset, key)
+        return key
+
     def _confirm_committed(self, client: Client, end: dict) -> None:
-        """Confirm the batch that ended at `end`, which Spark has committed,
-        and any batch this process consumed before it (committed too)."""
-        key = _key(end)
+        """Confirm the batch that ended at `end`, which Spark has committed
+        (its messages, as the offset names them; once per batch)."""
+        key = self._key(end)
         if key in self._confirmed:
             return
-        batches: list[BatchOffset] = []
-        from_checkpoint = key not in self._held
-        if not from_checkpoint:
-            for k in list(self._held):
-                batches.append(self._held.pop(k))
-                self._confirmed.append(k)
-                if k == key:
-                    break
-        else:  # not consumed by this process: named by the checkpoint
-            offset = BatchOffset.from_json(end)
-            self._confirmed.append(key)
-            if not offset.messages:
-                return
-            batches.append(offset)
-        for offset in batches:
-            started = time.monotonic()
-            result = self._confirm(client, offset.messages)
-            report.logger().info(
-                "qserver source: %s of %d messages consumed at %s is committed: %s (%.3f s)",
-                "the checkpoint's micro-batch" if from_checkpoint else "micro-batch",
-                len(offset), _when(offset.at), result.describe(from_checkpoint),
-                time.monotonic() - started)
+        self._confirmed.append(key)
+        from_checkpoint = key not in self._consumed  # consumed before a restart
+        self._consumed.pop(key, None)
+        offset = BatchOffset.from_json(end)
+        if not offset.messages:
+            return
+        started = time.monotonic()
+        result = self._confirm(client, offset.messages)
+        report.logger().info(
+            "qserver source: %s of %d messages consumed at %s is committed: %s (%.3f s)",
+            "the checkpoint's micro-batch" if from_checkpoint else "micro-batch",
+            len(offset), _when(offset.at), result.describe(from_checkpoint),
+            time.monotonic() - started)
 
     def _consume(self, client: Client) -> list[Message]:
         """Up to maxMessagesPerBatch (and the AvailableNow budget) messages,
@@ -430,15 +432,10 @@ class QServerBatchReader(DataSourceReader):
         queue = partition.queue if isinstance(partition, QueuePartition) else str(partition.value)
         try:
             with _client(self.opts, _master_first(self.opts)) as client:
-                answer = client._exchange([peek_request(queue, self.opts.peek_count)], 1,
-                                          stop_on_error=False)[0]
+                views = client.peek(queue, self.opts.peek_count)
                 leaders.forget(self.opts.hosts, client.address)
-        except QServerClientError as exc:
+        except QServerClientError as exc:  # a refusal too (ServerError)
             raise SourceError(f"qserver source: cannot peek queue {queue!r}: {exc}") from exc
-        if answer is None or answer.get("code") != 0:
-            raise SourceError(f"qserver source: peek of queue {queue!r} refused: "
-                              f"{None if answer is None else answer.get('reason')}")
-        views = answer.get("messages") or []
         if not views:
             return iter([])
         return iter([viewed_batch((queue, v) for v in views)])
