@@ -70,7 +70,7 @@ from . import leaders, report
 from ._compat import HAS_STREAM_ARROW_WRITER, DataSourceStreamArrowWriter, rows_to_batches
 from .errors import OptionError, WriteError
 from .messages import SCHEMA
-from .options import SinkOptions, parse_options
+from .options import PIPELINE_WINDOW, SinkOptions, parse_options
 from .rows import batch_items
 from .source import QServerBatchReader, QServerStreamReader
 from .source_options import parse_source_options
@@ -95,12 +95,6 @@ PIPELINE_REQUESTS = 4
 
 # With batchProduce=false: single produce requests a task keeps in flight on
 # its connection (the client's pipelining window), whatever the batch size.
-# Enough to hide the round trip to the master and its quorum commit; a
-# larger window only queues more requests at the master at once, and on the
-# 2-core machines measured a window of 1000 per task gave 0.4 to 0.6 of the
-# rows/s of 200 (the three nodes spent more CPU per row as their replication
-# batches grew). See bench/spark_bench.py.
-PIPELINE_WINDOW = 200
 
 # What a node that predates batch produce answers to one (it wants `data`).
 OLD_SERVER_REASON = "missing field: data"

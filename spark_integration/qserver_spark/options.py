@@ -64,6 +64,8 @@ from .errors import OptionError
 
 __all__ = [
     "SinkOptions",
+    "PIPELINE_WINDOW",
+    "connection_options",
     "TimeSource",
     "parse_options",
     "DEFAULT_BATCH_SIZE",
@@ -136,6 +138,15 @@ _KNOWN = frozenset(k.lower() for k in OPTIONS) | _SPARK_OPTIONS
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 
+
+# Requests a sink task or the source keeps in flight on its connection
+# (produces; confirms and shows). Enough to hide the round trip to the
+# master and its quorum commit; a larger window only queues more requests
+# at the master at once, and on the
+# 2-core machines measured a window of 1000 per task gave 0.4 to 0.6 of the
+# rows/s of 200 (the three nodes spent more CPU per row as their replication
+# batches grew). See bench/spark_bench.py.
+PIPELINE_WINDOW = 200
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimeSource:
@@ -248,6 +259,18 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
                           f"{MAX_BATCH_MESSAGES} messages in one), not {batch_size}")
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise OptionError(f"option 'batchSize' must be 1 to {MAX_BATCH_SIZE}, not {batch_size}")
+    return SinkOptions(hosts=hosts, queue=queue, queue_column=queue_column,
+                       data_column=data_column, json_columns=json_columns, delay=delay,
+                       ttl=ttl, retry=retry, priority=priority, priority_column=priority_column,
+                       dedup_columns=dedup_columns, batch_produce=batch_produce,
+                       batch_size=int(batch_size), **connection_options(opts))
+
+
+def connection_options(opts: dict[str, str]) -> dict[str, Any]:
+    """The options of the connections to qserver, the sink's and the
+    source's (`opts` with lower-case keys), checked: the `timeout_s`,
+    `token`, `tls` and `tls_ca` fields of their options. Raises
+    OptionError."""
     timeout_s = _number(opts, "timeout", "timeout", DEFAULT_TIMEOUT_S)
     if timeout_s <= 0:
         raise OptionError(f"option 'timeout' must be positive, not {timeout_s:g}")
@@ -258,13 +281,7 @@ def parse_options(options: Mapping[str, str], schema: StructType) -> SinkOptions
     if tls_ca is not None and not tls_ca.strip():
         raise OptionError("option 'tlsCa' must be a file path")
     tls = _bool(opts, "tls", "tls", False) or tls_ca is not None
-
-    return SinkOptions(hosts=hosts, queue=queue, queue_column=queue_column,
-                       data_column=data_column, json_columns=json_columns, delay=delay,
-                       ttl=ttl, retry=retry, priority=priority, priority_column=priority_column,
-                       dedup_columns=dedup_columns, batch_produce=batch_produce,
-                       batch_size=int(batch_size), timeout_s=timeout_s, token=token, tls=tls,
-                       tls_ca=tls_ca)
+    return {"timeout_s": timeout_s, "token": token, "tls": tls, "tls_ca": tls_ca}
 
 
 def _hosts(value: str | None) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError
-from .options import DEFAULT_TIMEOUT_S, MAX_QUEUE_NAME, _bool, _hosts, _number
+from .options import DEFAULT_TIMEOUT_S, MAX_QUEUE_NAME, _bool, _hosts, _number, connection_options
 
 __all__ = [
     "SourceOptions",
@@ -158,18 +158,7 @@ def _parse(options: Mapping[str, str], streaming: bool) -> SourceOptions:
 
     hosts = _hosts(opts.get("hosts"))
     queues = _queues(opts)
-    timeout_s = _number(opts, "timeout", "timeout", DEFAULT_TIMEOUT_S)
-    if timeout_s <= 0:
-        raise OptionError(f"option 'timeout' must be positive, not {timeout_s:g}")
-    # As the sink's (options.parse_options).
-    token = opts.get("token")
-    if token is not None and (not token or any(c.isspace() for c in token)):
-        raise OptionError("option 'token' must be a non-empty string without white space")
-    tls_ca = opts.get("tlsca")
-    if tls_ca is not None and not tls_ca.strip():
-        raise OptionError("option 'tlsCa' must be a file path")
-    client: dict[str, Any] = {"timeout_s": timeout_s, "token": token, "tls_ca": tls_ca,
-                              "tls": _bool(opts, "tls", "tls", False) or tls_ca is not None}
+    client = connection_options(opts)  # as the sink's
     if not streaming:
         count = _number(opts, "count", "count", MAX_PEEK, integer=True)
         if not 1 <= count <= MAX_PEEK:
