@@ -5,8 +5,9 @@ Theory of operation
 A queue has no position a reader could write down: consumers take
 messages, and what one takes the next does not see. So the streaming
 source's offset is not a position but the list of what one micro-batch
-consumed: every message's (queue, msg_id, receipt), in delivery order, and
-when the consume happened. Spark writes it to the checkpoint's offset log
+consumed: every message's (queue, msg_id, receipt), in delivery order
+within its queue (the JSON groups them by queue), and when the consume
+happened. Spark writes it to the checkpoint's offset log
 before the batch runs; that is what lets the source
 
 - confirm exactly the messages of a batch once Spark has committed it
@@ -56,7 +57,8 @@ class MessageRef:
 
 @dataclass(frozen=True, slots=True)
 class BatchOffset:
-    """The messages of one micro-batch, in delivery order; `at`: when they
+    """The messages of one micro-batch, in delivery order (read back from
+    JSON: grouped by queue, in delivery order within each); `at`: when they
     were consumed (unix seconds, 0 for the empty offset)."""
 
     messages: tuple[MessageRef, ...]
@@ -92,11 +94,6 @@ class BatchOffset:
                                       f"queue {queue!r}: {item!r}")
                 refs.append(MessageRef(queue, item[0], item[1]))
         return cls(tuple(refs), float(at) if isinstance(at, (int, float)) else 0.0)
-
-    @property
-    def confirmable(self) -> list[MessageRef]:
-        """The messages with a receipt (those a confirm can settle)."""
-        return [ref for ref in self.messages if ref.receipt is not None]
 
     def __len__(self) -> int:
         return len(self.messages)
