@@ -41,7 +41,6 @@ pytest.importorskip("pyarrow", reason="pyarrow is not installed (the project's '
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("java is not installed: Spark needs a JVM", allow_module_level=True)
 
-import pyarrow.parquet as pq
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -65,6 +64,7 @@ from qserver_spark import (
 from qserver_spark._compat import rows_to_batches
 from qserver_spark.messages import ARROW_SCHEMA, delivered_batch, viewed_batch
 from qserver_spark.offsets import EMPTY
+from sparkutil import batch_ids, read_offset, sink_rows, uncommitted
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0  # generous: CI is a shared, noisy 2-core machine
@@ -126,38 +126,6 @@ def monitor(hosts: str, queue: str) -> dict:
         return client.monitor(queue)
 
 
-# -- the checkpoint and the sink, read from outside Spark -------------------
-
-
-def batch_ids(directory: Path) -> set[int]:
-    if not directory.is_dir():
-        return set()
-    return {int(p.name) for p in directory.iterdir() if p.name.isdigit()}
-
-
-def read_offset(checkpoint: Path, batch: int) -> BatchOffset:
-    """The source's offset of `batch` (the offset log's last line: one
-    source, after the version and the metadata lines)."""
-    lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
-    return BatchOffset.from_json(json.loads(lines[-1]))
-
-
-def sink_rows(out: Path) -> dict[int, list[dict]]:
-    """The parquet sink's rows per micro-batch, as its own commit log
-    (`_spark_metadata`) lists the files of each batch (files of a batch
-    that never committed are not in it)."""
-    compacted = [p.name for p in (out / "_spark_metadata").iterdir() if "compact" in p.name]
-    assert not compacted, "the sink merged batches' entries: batches cannot be told apart"
-    rows: dict[int, list[dict]] = {}
-    for batch in sorted(batch_ids(out / "_spark_metadata")):
-        lines = (out / "_spark_metadata" / str(batch)).read_text().splitlines()[1:]
-        rows[batch] = []
-        for line in lines:
-            path = json.loads(line)["path"].removeprefix("file://")
-            rows[batch].extend(pq.read_table(path).to_pylist())
-    return rows
-
-
 class ConfirmWatcher(threading.Thread):
     """Checks, while a query runs, that no message of an uncommitted
     micro-batch is confirmed (see the module docstring). `checked`: the
@@ -213,10 +181,6 @@ def start_stream(spark, hosts: str, queue: str, tmp: Path, **options):
             .option("path", str(tmp / "out"))
             .option("checkpointLocation", str(tmp / "checkpoint"))
             .trigger(processingTime="0 seconds").start())
-
-
-def uncommitted(checkpoint: Path) -> set[int]:
-    return batch_ids(checkpoint / "offsets") - batch_ids(checkpoint / "commits")
 
 
 def stop_mid_batch(query, checkpoint: Path, after: int) -> int | None:

@@ -42,7 +42,6 @@ was dropped from the suite for time.)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -60,11 +59,11 @@ pytest.importorskip("pyarrow", reason="pyarrow is not installed (the project's '
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("java is not installed: Spark needs a JVM", allow_module_level=True)
 
-import pyarrow.parquet as pq
 
 from procs import Cluster, wait_until
 from qserver.client import Client
-from qserver_spark import BatchOffset, MessageRef
+from qserver_spark import MessageRef
+from sparkutil import batch_ids, read_offset, sink_rows, uncommitted
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "spark_stream_job.py"
@@ -174,42 +173,6 @@ class Job:
             pass  # killed below: the exit status says so
         self.kill()
         return self.proc.returncode
-
-
-# -- the checkpoint and the sink, read from outside Spark -------------------
-
-
-def batch_ids(directory: Path) -> set[int]:
-    if not directory.is_dir():
-        return set()
-    return {int(p.name) for p in directory.iterdir() if p.name.isdigit()}
-
-
-def uncommitted(checkpoint: Path) -> set[int]:
-    return batch_ids(checkpoint / "offsets") - batch_ids(checkpoint / "commits")
-
-
-def read_offset(checkpoint: Path, batch: int) -> BatchOffset:
-    """The source's offset of `batch` (the offset log's last line: one source)."""
-    lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
-    return BatchOffset.from_json(json.loads(lines[-1]))
-
-
-def sink_rows(out: Path) -> dict[int, list[dict]]:
-    """The parquet sink's rows per micro-batch, as its commit log
-    (`_spark_metadata`) lists each batch's files: files a killed driver
-    wrote for a batch it never committed are not in it."""
-    metadata = out / "_spark_metadata"
-    assert not [p for p in metadata.iterdir() if "compact" in p.name], \
-        "the sink merged batches' entries: batches cannot be told apart"
-    rows: dict[int, list[dict]] = {}
-    for batch in sorted(batch_ids(metadata)):
-        rows[batch] = []
-        for line in (metadata / str(batch)).read_text().splitlines()[1:]:
-            entry = json.loads(line)
-            assert entry["action"] == "add", entry
-            rows[batch].extend(pq.read_table(entry["path"].removeprefix("file://")).to_pylist())
-    return rows
 
 
 def kill_mid_batch(job: Job, checkpoint: Path, after: int) -> int | None:
