@@ -940,15 +940,13 @@ def _cmd_leader(client, args) -> tuple[object, str]:
 
 
 def _cmd_drain(client, args) -> tuple[object, str]:
-    from .client.core import server_error
-
-    response = client.request({"action": 108, "drain": not args.undo})
-    where = _describe_node(client)
-    if response.get("code") != 0:
-        error = server_error(response)
-        if response.get("draining"):  # drained, but the master role did not move
-            raise _Failure(f"{where} is draining, but is still master: {error.reason}")
-        raise error
+    where = _address_text(*client.address)
+    try:
+        response = client.drain(undo=args.undo)
+    except ServerError as exc:
+        if exc.response.get("draining"):  # drained, but the master role did not move
+            raise _Failure(f"{where} is draining, but is still master: {exc.reason}") from None
+        raise
     if not response.get("draining"):
         return response, f"{where} takes client work again"
     leader = response.get("leader_node_id")
@@ -959,11 +957,6 @@ def _cmd_drain(client, args) -> tuple[object, str]:
 def _cmd_transfer_leader(client, args) -> tuple[object, str]:
     leader = client.transfer_leader(args.node_id)
     return {"leader_node_id": leader}, f"master: node {leader}"
-
-
-def _describe_node(client) -> str:
-    host, port = client.address
-    return f"{host}:{port}"
 
 
 _COMMANDS = {"produce": _cmd_produce, "consume": _cmd_consume, "confirm": _cmd_confirm,
