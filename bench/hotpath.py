@@ -34,6 +34,16 @@ ratio.
 
 `--profile` runs one repeat of each selected step under cProfile instead
 and prints the top functions.
+
+`--storage off|batch|always` adds a third side: the same node with
+`<storage fsync=...>` in a temporary directory (real files, real writes and
+syncs: issue 16's first goal, a node with storage against the node in
+memory, measured without sockets). Its answers wait for the records'
+write at the end of the event-loop turn, so with it every side is fed in
+turns of `--turn` requests (8 by default: the load generator's 8 clients),
+with one loop iteration after each; that iteration's cost counts on every
+side. The storage side's figures include the system time of its writes
+(process time is user plus system).
 """
 
 from __future__ import annotations
@@ -41,11 +51,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import gc
 import os
 import pstats
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import orjson
 
 from noop_server import NoopTcp, NoopUdp
-from qserver.config import Config
+from qserver.config import Config, Fsync
 from qserver.node import GC_THRESHOLDS, Node
 from qserver.server import ClientTcpProtocol, ClientUdpProtocol
 from qserver.wire.codec import DEFAULT_MAX_REQUEST_SIZE, MAX_UDP_PAYLOAD
@@ -67,14 +80,14 @@ ADDR = ("127.0.0.1", 40000)
 
 
 class FakeTransport:
-    """Takes what a protocol writes and drops it; counts the writes."""
+    """Takes what a protocol writes and drops it; counts the answers."""
 
     def __init__(self) -> None:
         self.writes = 0
         self.last = b""
 
     def write(self, data: bytes) -> None:
-        self.writes += 1
+        self.writes += data.count(b"\n")  # answers: a write may carry several
         self.last = data
 
     def sendto(self, data: bytes, addr) -> None:
@@ -108,61 +121,140 @@ def requests(mode: str, n: int, now_s: int) -> list[bytes]:
     raise ValueError(mode)
 
 
-def feeder(proto: str, handler):
-    """A function that delivers one payload to `handler` as the loop would."""
+def feeder(proto: str, handlers: list):
+    """A function that delivers the i-th payload as the loop would: over
+    TCP to connection i modulo their number (each a client of its own)."""
     if proto == "tcp":
-        return handler.data_received
-    receive = handler.datagram_received
-    return lambda payload: receive(payload, ADDR)
+        receivers = [h.data_received for h in handlers]
+        if len(receivers) == 1:
+            return lambda i, payload: receivers[0](payload)
+        n = len(receivers)
+        return lambda i, payload: receivers[i % n](payload)
+    receive = handlers[0].datagram_received
+    return lambda i, payload: receive(payload, ADDR)
 
 
-def make_qserver(proto: str):
+@dataclasses.dataclass
+class Side:
+    """One server under test, fresh for each repeat: its connections (one
+    UDP socket; over TCP one per client of a turn) and their transports."""
+
+    name: str
+    handlers: list
+    transports: list[FakeTransport]
+    node: Node | None = None
+    directory: str | None = None
+
+    @property
+    def answers(self) -> int:
+        return sum(t.writes for t in self.transports)
+
+    async def close(self) -> None:
+        if self.node is not None and self.directory is not None:
+            await self.node.engine.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _connect(make_handler, proto: str, clients: int) -> tuple[list, list[FakeTransport]]:
+    handlers, transports = [], []
+    for _ in range(clients if proto == "tcp" else 1):
+        handler = make_handler()
+        transport = FakeTransport()
+        handler.connection_made(transport)
+        handlers.append(handler)
+        transports.append(transport)
+    return handlers, transports
+
+
+def _serve(node: Node, proto: str, clients: int) -> tuple[list, list[FakeTransport]]:
+    return _connect((lambda: ClientTcpProtocol(node)) if proto == "tcp"
+                    else (lambda: ClientUdpProtocol(node)), proto, clients)
+
+
+async def make_qserver(proto: str, clients: int) -> Side:
     node = Node(Config.default())
-    handler = ClientTcpProtocol(node) if proto == "tcp" else ClientUdpProtocol(node)
-    transport = FakeTransport()
-    handler.connection_made(transport)
-    return handler, transport
+    return Side("qserver", *_serve(node, proto, clients), node=node)
 
 
-def make_floor(proto: str):
-    handler = NoopTcp(DEFAULT_MAX_REQUEST_SIZE) if proto == "tcp" else NoopUdp(MAX_UDP_PAYLOAD)
-    transport = FakeTransport()
-    handler.connection_made(transport)
-    return handler, transport
+def storage_maker(fsync: Fsync):
+    """The maker of a node with <storage fsync=...> in a fresh directory."""
+    async def make_storage(proto: str, clients: int) -> Side:
+        directory = tempfile.mkdtemp(prefix="qserver-hotpath-")
+        node = Node(dataclasses.replace(Config.default(), storage_dir=directory, fsync=fsync))
+        await node.engine.start()
+        for _ in range(500):  # it elects itself at once; up to 5 s on a slow machine
+            if node.engine.leader() is not None:
+                break
+            await asyncio.sleep(0.01)
+        return Side(f"storage-{fsync.value}", *_serve(node, proto, clients), node=node,
+                    directory=directory)
+    return make_storage
 
 
-def run_steps(make, proto: str, modes, payloads: dict, profile: str | None = None,
-              prefill: list[bytes] = ()) -> dict:
+async def make_floor(proto: str, clients: int) -> Side:
+    return Side("floor", *_connect(
+        (lambda: NoopTcp(DEFAULT_MAX_REQUEST_SIZE)) if proto == "tcp"
+        else (lambda: NoopUdp(MAX_UDP_PAYLOAD)), proto, clients))
+
+
+async def feed_all(feed, batch: list[bytes], turn: int) -> None:
+    """Every payload of `batch`; with `turn`, one loop iteration after each
+    `turn` of them (where a node with storage writes and answers)."""
+    if not turn:
+        for i, p in enumerate(batch):
+            feed(i, p)
+        return
+    for start in range(0, len(batch), turn):
+        for i in range(start, min(start + turn, len(batch))):
+            feed(i, batch[i])
+        await asyncio.sleep(0)
+
+
+async def answered(side: Side, count: int) -> None:
+    """Wait until `count` answers are out: loop iterations, then (answers
+    that wait for a timer, such as a batch fsync) up to 5 s."""
+    for i in range(5100):
+        if side.answers >= count:
+            return
+        await asyncio.sleep(0 if i < 100 else 0.001)
+
+
+async def run_steps(make, proto: str, modes, payloads: dict, profile: str | None = None,
+                    prefill: list[bytes] = (), turn: int = 0) -> dict:
     """One repeat: a fresh server, then each step in order; us/request per step."""
-    handler, transport = make(proto)
-    feed = feeder(proto, handler)
-    for p in prefill:
-        feed(p)
-    out = {}
-    for mode in MODES:
-        batch = payloads[mode]
-        if mode not in modes and mode != "produce":
-            continue
-        before = transport.writes
-        if profile and mode in modes:
-            prof = cProfile.Profile()
-            prof.enable()
-            for p in batch:
-                feed(p)
-            prof.disable()
-            print(f"--- {profile} {proto} {mode}")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-        else:
-            t0 = time.process_time()
-            for p in batch:
-                feed(p)
-            out[mode] = (time.process_time() - t0) / len(batch) * 1e6
-        if transport.writes - before != len(batch):
-            raise SystemExit(f"{proto} {mode}: {transport.writes - before} answers "
-                             f"to {len(batch)} requests")
-        if mode == "consume" and make is make_qserver and b'"msg_id"' not in transport.last:
-            raise SystemExit("consume ran dry: the step does not measure a delivery")
-    return out
+    side = await make(proto, max(turn, 1))
+    feed = feeder(proto, side.handlers)
+    try:
+        await feed_all(feed, prefill, turn)
+        await answered(side, len(prefill))
+        out = {}
+        for mode in MODES:
+            batch = payloads[mode]
+            if mode not in modes and mode != "produce":
+                continue
+            before = side.answers
+            if profile and mode in modes:
+                prof = cProfile.Profile()
+                prof.enable()
+                await feed_all(feed, batch, turn)
+                await answered(side, before + len(batch))
+                prof.disable()
+                print(f"--- {profile} {proto} {mode}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            else:
+                t0 = time.process_time()
+                await feed_all(feed, batch, turn)
+                await answered(side, before + len(batch))
+                out[mode] = (time.process_time() - t0) / len(batch) * 1e6
+            if side.answers - before != len(batch):
+                raise SystemExit(f"{side.name} {proto} {mode}: {side.answers - before} "
+                                 f"answers to {len(batch)} requests")
+            if mode == "consume" and side.node is not None and not any(
+                    b'"msg_id"' in t.last for t in side.transports):
+                raise SystemExit("consume ran dry: the step does not measure a delivery")
+        return out
+    finally:
+        await side.close()
 
 
 def stats(values: list[float]) -> str:
@@ -178,9 +270,20 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=0, metavar="N",
                    help="produce N messages first, untimed")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--storage", choices=[f.value for f in Fsync],
+                   help="add a node with <storage fsync=...> (a temporary directory)")
+    p.add_argument("--turn", type=int, default=None, metavar="K",
+                   help="requests per event-loop turn (default: 8 with --storage, else "
+                        "all at once)")
     args = p.parse_args(argv)
     protos = args.protos.split(",")
     modes = args.modes.split(",")
+    turn = args.turn if args.turn is not None else (8 if args.storage else 0)
+    makers = [make_floor, make_qserver]
+    names = ["floor", "qserver"]
+    if args.storage:
+        makers.append(storage_maker(Fsync(args.storage)))
+        names.append(f"storage-{args.storage}")
     gc.set_threshold(*GC_THRESHOLDS)
     now_s = int(time.time())
     payloads = {m: requests(m, args.n, now_s) for m in MODES}
@@ -188,33 +291,45 @@ async def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     if args.profile:
         for proto in protos:
-            run_steps(make_qserver, proto, modes, payloads, profile="qserver", prefill=prefill)
+            for make in makers[1:]:
+                await run_steps(make, proto, modes, payloads, profile=make.__name__,
+                                prefill=prefill, turn=turn)
         return 0
     # warm-up (imports, first queue, caches)
     for proto in protos:
-        for make in (make_floor, make_qserver):
-            run_steps(make, proto, modes, {m: b[:2000] for m, b in payloads.items()})
-    results = {(proto, side, mode): [] for proto in protos for side in ("floor", "qserver")
-               for mode in modes}
+        for make in makers:
+            await run_steps(make, proto, modes, {m: b[:2000] for m, b in payloads.items()},
+                            turn=turn)
+    results = {(proto, name, mode): [] for proto in protos for name in names for mode in modes}
     for r in range(args.repeat):
         for proto in protos:
-            order = (make_floor, make_qserver) if r % 2 == 0 else (make_qserver, make_floor)
-            for make in order:
-                side = "floor" if make is make_floor else "qserver"
-                got = run_steps(make, proto, modes, payloads, prefill=prefill)
+            order = list(zip(makers, names))
+            if r % 2:
+                order.reverse()
+            for make, name in order:
+                got = await run_steps(make, proto, modes, payloads, prefill=prefill, turn=turn)
                 for mode in modes:
-                    results[(proto, side, mode)].append(got[mode])
+                    results[(proto, name, mode)].append(got[mode])
                 gc.collect()
     print(f"CPU us per request, {args.repeat} repeats of {args.n}"
-          f"{f' after {args.prefill:,} untimed produces' if args.prefill else ''}: min median max")
-    print(f"{'proto':5} {'mode':8} | {'floor':^20} | {'qserver':^20} | {'diff':>6} {'ratio':>6}")
+          f"{f' after {args.prefill:,} untimed produces' if args.prefill else ''}"
+          f"{f', {turn} per loop turn' if turn else ''}: min median max")
+    header = f"{'proto':5} {'mode':8} | {'floor':^20} | {'qserver':^20} | {'diff':>6} {'ratio':>6}"
+    if args.storage:
+        header += f" | {names[2]:^20} | {'x memory':>8}"
+    print(header)
     for proto in protos:
         for mode in modes:
             f = results[(proto, "floor", mode)]
             q = results[(proto, "qserver", mode)]
             diff = statistics.median(q) - statistics.median(f)
             ratio = statistics.median(q) / statistics.median(f)
-            print(f"{proto:5} {mode:8} | {stats(f)} | {stats(q)} | {diff:6.2f} {ratio:6.2f}")
+            line = f"{proto:5} {mode:8} | {stats(f)} | {stats(q)} | {diff:6.2f} {ratio:6.2f}"
+            if args.storage:
+                st = results[(proto, names[2], mode)]
+                # as throughput: memory's CPU per request over the storage node's
+                line += f" | {stats(st)} | {statistics.median(q) / statistics.median(st):8.2f}"
+            print(line)
     return 0
 
 
