@@ -38,7 +38,9 @@ which owns its state) waits, tick by tick, for the target to be caught up
 and everything committed, calls `transferLeadership` then, and watches for
 a leader of a later term; the outcome goes to the loop. Bounds as in the
 native engine: caught up within RAFT_TRANSFER_S, a new leader within
-RAFT_TRANSFER_S of the TimeoutNow. What it cannot do is in the README.
+RAFT_TRANSFER_S of the TimeoutNow; RAFT_TRANSFER_ELECTION_S more once this
+node has stepped down (the election may split: no pre-vote). What it cannot
+do is in the README.
 
 Durability (pysyncobj 0.3.17 writes its journal through mmap and its term
 and vote with write+rename, and fsyncs neither): with `<storage dir>` the
@@ -139,6 +141,13 @@ _RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=
 # leader seen within this long of the TimeoutNow (pysyncobj's shortest
 # election timeout, as the native engine uses its election_ms).
 RAFT_TRANSFER_S = 0.6
+
+# ... unless this node has stepped down by then (the TimeoutNow arrived and
+# an election is under way): pysyncobj has no pre-vote, so that election may
+# split and the next, randomized, one comes up to raftMaxTimeout later. Its
+# leader is waited for this much longer (a SIGTERM's hand-over, catch-up
+# included, stays within node.HAND_OVER_ON_STOP_S).
+RAFT_TRANSFER_ELECTION_S = 1.4
 
 
 def raft_password(config: Config) -> str:
@@ -312,7 +321,7 @@ class _QueueSync(RaftAppends):
     # `transfer_request` (one assignment) to the target's raft address; from
     # then on only this thread touches the transfer's state.
     transfer_request: str | None = None
-    _transfer: list | None = None  # [target Node, start term, deadline, sent]
+    _transfer: list | None = None  # [target Node, start term, deadline, sent, last deadline]
 
     def _transfer_tick(self) -> None:
         now = time.monotonic()
@@ -323,8 +332,8 @@ class _QueueSync(RaftAppends):
             if node is None or self._SyncObj__raftState != _LEADER:
                 self._transfer_ended(None, "not master")
                 return
-            t = self._transfer = [node, self.raftCurrentTerm, now + RAFT_TRANSFER_S, False]
-        node, term, deadline, sent = t
+            t = self._transfer = [node, self.raftCurrentTerm, now + RAFT_TRANSFER_S, False, 0.0]
+        node, term, deadline, sent, last_deadline = t
         leader = self._SyncObj__raftLeader
         if self.raftCurrentTerm > term and leader is not None:
             self._transfer_ended(leader.id, None)  # a leader of a later term
@@ -336,9 +345,14 @@ class _QueueSync(RaftAppends):
                 # pysyncobj's own checks pass (it is leader, the target is
                 # caught up), on its thread: it sends TimeoutNow
                 self.transferLeadership(node)
-                t[2], t[3] = now + RAFT_TRANSFER_S, True
+                t[2:] = [now + RAFT_TRANSFER_S, True,
+                         now + RAFT_TRANSFER_S + RAFT_TRANSFER_ELECTION_S]
                 return
         if now >= deadline:
+            stepped_down = (self._SyncObj__raftState != _LEADER
+                            or self.raftCurrentTerm > term)
+            if sent and stepped_down and now < last_deadline:
+                return  # the election it started is under way: wait for its leader
             caught_up = sent or self._SyncObj__raftState != _LEADER
             self._transfer_ended(None, "transfer timed out" if caught_up
                                  else "node not caught up")
