@@ -139,7 +139,6 @@ class Side:
     """One server under test, fresh for each repeat: its connections (one
     UDP socket; over TCP one per client of a turn) and their transports."""
 
-    name: str
     handlers: list
     transports: list[FakeTransport]
     node: Node | None = None
@@ -173,7 +172,7 @@ def _serve(node: Node, proto: str, clients: int) -> tuple[list, list[FakeTranspo
 
 async def make_qserver(proto: str, clients: int) -> Side:
     node = Node(Config.default())
-    return Side("qserver", *_serve(node, proto, clients), node=node)
+    return Side(*_serve(node, proto, clients), node=node)
 
 
 def storage_maker(fsync: Fsync):
@@ -186,13 +185,12 @@ def storage_maker(fsync: Fsync):
             if node.engine.leader() is not None:
                 break
             await asyncio.sleep(0.01)
-        return Side(f"storage-{fsync.value}", *_serve(node, proto, clients), node=node,
-                    directory=directory)
+        return Side(*_serve(node, proto, clients), node=node, directory=directory)
     return make_storage
 
 
 async def make_floor(proto: str, clients: int) -> Side:
-    return Side("floor", *_connect(
+    return Side(*_connect(
         (lambda: NoopTcp(DEFAULT_MAX_REQUEST_SIZE)) if proto == "tcp"
         else (lambda: NoopUdp(MAX_UDP_PAYLOAD)), proto, clients))
 
@@ -219,9 +217,10 @@ async def answered(side: Side, count: int) -> None:
         await asyncio.sleep(0 if i < 100 else 0.001)
 
 
-async def run_steps(make, proto: str, modes, payloads: dict, profile: str | None = None,
+async def run_steps(name: str, make, proto: str, modes, payloads: dict, profile: bool = False,
                     prefill: list[bytes] = (), turn: int = 0) -> dict:
-    """One repeat: a fresh server, then each step in order; us/request per step."""
+    """One repeat: a fresh server (`make`, called `name`), then each step in
+    order; us/request per step."""
     side = await make(proto, max(turn, 1))
     feed = feeder(proto, side.handlers)
     try:
@@ -239,7 +238,7 @@ async def run_steps(make, proto: str, modes, payloads: dict, profile: str | None
                 await feed_all(feed, batch, turn)
                 await answered(side, before + len(batch))
                 prof.disable()
-                print(f"--- {profile} {proto} {mode}")
+                print(f"--- {name} {proto} {mode}")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(12)
             else:
                 t0 = time.process_time()
@@ -247,7 +246,7 @@ async def run_steps(make, proto: str, modes, payloads: dict, profile: str | None
                 await answered(side, before + len(batch))
                 out[mode] = (time.process_time() - t0) / len(batch) * 1e6
             if side.answers - before != len(batch):
-                raise SystemExit(f"{side.name} {proto} {mode}: {side.answers - before} "
+                raise SystemExit(f"{name} {proto} {mode}: {side.answers - before} "
                                  f"answers to {len(batch)} requests")
             if mode == "consume" and side.node is not None and not any(
                     b'"msg_id"' in t.last for t in side.transports):
@@ -279,11 +278,10 @@ async def main(argv: list[str] | None = None) -> int:
     protos = args.protos.split(",")
     modes = args.modes.split(",")
     turn = args.turn if args.turn is not None else (8 if args.storage else 0)
-    makers = [make_floor, make_qserver]
-    names = ["floor", "qserver"]
+    makers = {"floor": make_floor, "qserver": make_qserver}
     if args.storage:
-        makers.append(storage_maker(Fsync(args.storage)))
-        names.append(f"storage-{args.storage}")
+        makers[f"storage-{args.storage}"] = storage_maker(Fsync(args.storage))
+    names = list(makers)
     gc.set_threshold(*GC_THRESHOLDS)
     now_s = int(time.time())
     payloads = {m: requests(m, args.n, now_s) for m in MODES}
@@ -291,23 +289,21 @@ async def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     if args.profile:
         for proto in protos:
-            for make in makers[1:]:
-                await run_steps(make, proto, modes, payloads, profile=make.__name__,
+            for name in names[1:]:
+                await run_steps(name, makers[name], proto, modes, payloads, profile=True,
                                 prefill=prefill, turn=turn)
         return 0
     # warm-up (imports, first queue, caches)
     for proto in protos:
-        for make in makers:
-            await run_steps(make, proto, modes, {m: b[:2000] for m, b in payloads.items()},
-                            turn=turn)
+        for name, make in makers.items():
+            await run_steps(name, make, proto, modes,
+                            {m: b[:2000] for m, b in payloads.items()}, turn=turn)
     results = {(proto, name, mode): [] for proto in protos for name in names for mode in modes}
     for r in range(args.repeat):
         for proto in protos:
-            order = list(zip(makers, names))
-            if r % 2:
-                order.reverse()
-            for make, name in order:
-                got = await run_steps(make, proto, modes, payloads, prefill=prefill, turn=turn)
+            for name in (names if r % 2 == 0 else names[::-1]):
+                got = await run_steps(name, makers[name], proto, modes, payloads,
+                                      prefill=prefill, turn=turn)
                 for mode in modes:
                     results[(proto, name, mode)].append(got[mode])
                 gc.collect()
