@@ -16,7 +16,6 @@ PYTHONPATH); the source is registered by hand, as the other tests do.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -38,24 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda _sig, _frame: stop.set())
 
-    # Spark's Python workers must run this interpreter (it has qserver_spark).
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
+    from sparkutil import local_spark  # (this file's directory is on sys.path)
 
-    import qserver_spark
-
-    spark = (SparkSession.builder.master("local[1]")
-             .appName("qserver-source-kill-job")
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "1")
-             .config("spark.driver.memory", "512m")
-             # The file sink's commit log names each batch's files in a file
-             # of its own (the test reads the rows per batch), never merged.
-             .config("spark.sql.streaming.fileSink.log.compactInterval", "1000000")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.dataSource.register(qserver_spark.QServerDataSource)
+    # The file sink's commit log names each batch's files in a file of its
+    # own (the test reads the rows per batch), never merged.
+    spark = local_spark("qserver-source-kill-job", 1, {
+        "spark.sql.streaming.fileSink.log.compactInterval": "1000000"})
     failure: list[BaseException] = []
     try:
         if stop.is_set():

@@ -1,16 +1,46 @@
-"""A streaming query's checkpoint and its parquet sink, read from outside
-Spark (the Spark source's tests): which micro-batches the offset and commit
-logs hold, the source's offset of a batch, and the sink's rows per batch.
-Needs pyarrow (the tests that import it skip without the spark extra)."""
+"""The Spark tests' local session, and a streaming query's checkpoint and
+its parquet sink read from outside Spark (the Spark source's tests): which
+micro-batches the offset and commit logs hold, the source's offset of a
+batch, and the sink's rows per batch. Needs pyspark and pyarrow (the tests
+that import it skip without the spark extra)."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
-from qserver_spark import BatchOffset
+from qserver_spark import BatchOffset, QServerDataSource
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def local_spark(app: str, cores: int, conf: dict[str, str] | None = None) -> SparkSession:
+    """A local Spark session with `cores` cores (and as many shuffle
+    partitions) for the tests: no UI or progress bar, errors only in its
+    log, a 512 MB driver, its Python workers on this interpreter (which has
+    qserver_spark, unlike whatever "python3" is on the PATH), `conf` on
+    top, and the qserver data source registered (an editable install hides
+    pyspark_qserver from PySpark's own lookup)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(f"local[{cores}]").appName(app)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", str(cores))
+               .config("spark.driver.memory", "512m"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    session.dataSource.register(QServerDataSource)
+    return session
 
 
 def batch_ids(directory: Path) -> set[int]:

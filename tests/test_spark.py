@@ -20,7 +20,6 @@ import decimal
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 
@@ -33,7 +32,6 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 import pyarrow as pa
 from pyspark.errors import PySparkException
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     DoubleType,
@@ -45,13 +43,13 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-import qserver_spark
 from procs import Cluster, TcpClient
 from qserver.client import Client
 from qserver_spark import OptionError, RowError, parse_options, summarize
 from qserver_spark.datasource import QServerCommitMessage, write_rows
 from qserver_spark.rows import batch_items
 from qserver_spark.wire import MAX_REQUEST_BYTES, BatchBuilder, count_answers, single_requests
+from sparkutil import local_spark
 
 DEADLINE_S = 60.0  # generous: CI is a shared, noisy 2-core machine
 
@@ -66,18 +64,7 @@ PIPELINE = 200
 
 @pytest.fixture(scope="session")
 def spark():
-    # Spark's Python workers must run this interpreter (it has qserver_spark),
-    # not whatever "python3" is on the PATH.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (SparkSession.builder.master("local[2]")
-               .appName("qserver-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.driver.memory", "512m")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    session.dataSource.register(qserver_spark.QServerDataSource)
+    session = local_spark("qserver-tests", 2)
     yield session
     session.stop()
 

@@ -64,7 +64,7 @@ from qserver_spark import (
 from qserver_spark._compat import rows_to_batches
 from qserver_spark.messages import ARROW_SCHEMA, delivered_batch, viewed_batch
 from qserver_spark.offsets import EMPTY
-from sparkutil import batch_ids, read_offset, sink_rows, uncommitted
+from sparkutil import batch_ids, local_spark, read_offset, sink_rows, uncommitted
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0  # generous: CI is a shared, noisy 2-core machine
@@ -72,23 +72,14 @@ DEADLINE_S = 120.0  # generous: CI is a shared, noisy 2-core machine
 
 @pytest.fixture(scope="module")
 def spark():
-    # Spark's Python workers must run this interpreter (it has qserver_spark).
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     existing = SparkSession.getActiveSession()
-    session = (SparkSession.builder.master("local[2]")
-               .appName("qserver-source-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.driver.memory", "512m")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    # (local_spark registers the data source: the default editable install
+    # hides pyspark_qserver from PySpark's lookup, see
+    # test_the_example_pipeline_runs_with_auto_registration.)
+    session = local_spark("qserver-source-tests", 2)
     # The file sink's commit log names each batch's files in a file of its
     # own (sink_rows reads them), not merged every 10 batches.
     session.conf.set("spark.sql.streaming.fileSink.log.compactInterval", "1000000")
-    # The default editable install hides pyspark_qserver from PySpark's
-    # lookup (see test_the_example_pipeline_runs_with_auto_registration).
-    session.dataSource.register(QServerDataSource)
     yield session
     if existing is None:
         session.stop()
