@@ -342,6 +342,34 @@ def test_segments_roll_and_are_named_by_first_trans_id(tmp_path):
     assert open_dir(tmp_path)[1].records == recs(1, 150)
 
 
+@pytest.mark.parametrize("segment_bytes", [SMALL, 1 << 20])
+def test_append_frames_writes_what_append_writes(tmp_path, segment_bytes):
+    """The fast path's append of records it encoded itself: the same files,
+    byte for byte, and the same frame offsets (a truncation uses them), in
+    one segment or rolling through several."""
+    plain, _ = open_dir(tmp_path / "plain", segment_bytes=segment_bytes)
+    framed, _ = open_dir(tmp_path / "framed", segment_bytes=segment_bytes)
+    sizes = random.Random(7).choices([0, 1, 2, 5, 9, 30], k=40)
+    t = 1
+    for i, n in enumerate(sizes):
+        batch = recs(t, t + n - 1)
+        plain.append(batch)
+        framed.append_frames([fmt.encode_record(r) for r in batch])
+        t += n
+        if i == 25:  # back into an earlier segment, then on
+            plain.truncate_after(t - 40)
+            framed.truncate_after(t - 40)
+            t -= 39
+    assert framed.next_trans_id == plain.next_trans_id == t
+    plain.close()
+    framed.close()
+    files = segment_files(tmp_path / "plain")
+    assert [f.name for f in files] == [f.name for f in segment_files(tmp_path / "framed")]
+    for f in files:
+        assert (tmp_path / "framed" / f.name).read_bytes() == f.read_bytes()
+    assert open_dir(tmp_path / "framed")[1].records == recs(1, t - 1)
+
+
 def test_oversized_record_gets_a_segment_of_its_own(tmp_path):
     storage, _ = open_dir(tmp_path)
     big = Record(2, 1, Produce(targets=(("q", 2),), data="x" * 2000, ready_ms=1, ttl_ms=2,

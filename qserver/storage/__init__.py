@@ -15,9 +15,9 @@ from .disk import (
     unlink_quietly,
     write_snapshot_file,
 )
-from .format import decode_snapshot, record_size_bound, store_wire_iter
+from .format import decode_snapshot, encode_record, record_size_bound, store_wire_iter
 from .kernel_sync import KernelSync
 
 __all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES",
-           "store_wire_iter", "decode_snapshot", "record_size_bound", "snapshot_file_name",
-           "unlink_quietly", "write_snapshot_file"]
+           "store_wire_iter", "decode_snapshot", "encode_record", "record_size_bound",
+           "snapshot_file_name", "unlink_quietly", "write_snapshot_file"]

@@ -147,6 +147,8 @@ from ..messages import (
     VoteRequest,
 )
 
+_new_record = tuple.__new__  # Record without NamedTuple's Python-level __new__
+
 __all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "OUTCOME_UNKNOWN", "TRANSFERRING",
            "NOT_MASTER", "NO_SUCH_NODE", "NOT_CAUGHT_UP", "TRANSFER_TIMED_OUT",
            "TRANSFER_IN_PROGRESS"]
@@ -294,6 +296,8 @@ class NativeCore:
         # log_size; a node alone has no slave, so it keeps only a few
         # (log.LONE_LOG_RECORDS).
         self.log_size = log_size if self.peers else min(log_size, LONE_LOG_RECORDS)
+        self._compact_above = self.log_size + COMPACT_SLACK  # (append_record_now's test)
+        self._apply_by_kind = store.apply_by_kind  # Store.apply without its dispatch call
         self.vote_id = vote_id  # current epoch; persisted with voted_for
         self.voted_for = voted_for  # whom we voted for in vote_id (0: nobody)
         self.role = Role.SLAVE
@@ -542,19 +546,41 @@ class NativeCore:
         fast path (ClusterEngine.commit_now): the same log and state as
         `propose` then `take_ready`, without the callback or the turn's
         wait."""
+        record = self.next_record(entry)
+        return record, self.append_record_now(record)
+
+    def next_record(self, entry: Entry) -> Record:
+        """The record `append_now(entry)` would append now (nothing changes):
+        for a caller that encodes it before it is appended (the adapter's
+        fast path reserves its exact size on disk first)."""
+        log = self.log
+        return _new_record(Record, (log.base_trans_id + len(log.records) + 1, self.vote_id,
+                                    entry))
+
+    def append_record_now(self, record: Record) -> object:
+        """`append_now` of the record `next_record` made, with nothing
+        appended since; returns what apply returned."""
         if (self.role is not Role.MASTER or self.deferred_sync or self.transfer is not None
                 or (self.peers and not self.async_mode)
                 or self.ready.records or self.ready.truncate_after is not None
-                or self.ready.snapshot is not None):
+                or self.ready.snapshot is not None or record.vote_id != self.vote_id):
             raise InvariantError("append_now needs a master alone or in async mode, nothing "
                                  "deferred, no transfer and no log change pending in the Ready")
-        record = self.log.append_entry(entry, self.vote_id)
+        log = self.log
+        records = log.records
+        if record.trans_id != log.base_trans_id + len(records) + 1:  # (Log.append's check)
+            raise InvariantError(f"append_now of trans_id {record.trans_id} after "
+                                 f"{log.last_trans_id}")
+        records.append(record)
         if self.peers:
-            return record, self._apply_speculative(record)
-        result = self.store.apply(entry)
+            return self._apply_speculative(record)
+        entry = record.entry
+        apply = self._apply_by_kind.get(type(entry))
+        result = self.store.apply(entry) if apply is None else apply(entry, None)
         self.applied_id = self.commit_id = record.trans_id
-        self._maybe_compact()
-        return record, result
+        if len(records) > self._compact_above:
+            self._maybe_compact()
+        return result
 
     def read_index(self, done: Done) -> None:
         """Answer a read (an answer that appends no entry) once it rests on

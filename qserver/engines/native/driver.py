@@ -38,9 +38,12 @@ works and the log's room takes more than one request's record,
 `commits_at_once` is on and the service calls `commit_now`, which appends
 and applies the entry (`NativeCore.append_now`; alone it also commits) and
 returns the result: the service builds the answer in the same call, as a
-node in memory does. With storage, the records of a turn are written
-together, first thing in the turn's flush (one pwrite; the batch timer
-fsyncs them later, as on the general path); meanwhile `holding` is on and
+node in memory does. With storage, each record is encoded once, before it
+is appended (`NativeCore.next_record`), so that its exact size is reserved
+in the log's room and the same bytes are written; the records of a turn
+are written together, first thing in the turn's flush (one pwrite,
+`DiskStorage.append_frames`; the batch timer fsyncs them later, as on the
+general path); meanwhile `holding` is on and
 the client protocols keep the answers, which `release_answers` (the
 node's) writes right after. Without storage nothing waits. Pushes to the
 slaves go out with the turn's Ready, as for proposals. A write that takes
@@ -69,11 +72,11 @@ from collections.abc import Callable
 
 from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
-from ...state.entries import Entry, Record
+from ...state.entries import Entry
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
 from ...stats import Histogram
-from ...storage import DiskStorage, StorageError, record_size_bound
+from ...storage import DiskStorage, StorageError, encode_record, record_size_bound
 from ...tls import peer_contexts
 from ..base import (
     Cancel,
@@ -208,7 +211,8 @@ class ClusterEngine:
         self._fast_ok = ((not peers or config.mode is Mode.ASYNC)
                          and (storage is None or config.fsync is not Fsync.ALWAYS))
         self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
-        self._unwritten: list[Record] = []  # appended by commit_now this turn, to write
+        # The records commit_now appended this turn, encoded, to write.
+        self._unwritten: list[bytes] = []
         # (respond, answer) to forwarded requests, held as `holding` says
         self._held_replies: list[tuple[Respond, dict]] = []
         # Set by the node: called once the records that `holding` waited for
@@ -315,19 +319,22 @@ class ClusterEngine:
             if not self._flush_scheduled:  # the push to the slaves
                 self._schedule_flush()
             return result
-        need = record_size_bound(entry)
-        reserved = self._reserved + need
-        if storage.room < reserved + DISK_MARGIN_BYTES:
+        core = self.core
+        record = core.next_record(entry)
+        frame = encode_record(record)  # once: its exact size is reserved, its bytes written
+        reserved = self._reserved + len(frame)
+        room = storage.room
+        if room < reserved + DISK_MARGIN_BYTES:
             # _update_fast_path keeps more room than one request can need
             raise InvariantError("commit_now without room for its record")
-        record, result = self.core.append_now(entry)
-        self._unwritten.append(record)
+        result = core.append_record_now(record)
+        self._unwritten.append(frame)
         self._reserved = reserved
         if not self.holding:
             self.holding = True
             if not self._flush_scheduled:
                 self._schedule_flush()
-        if storage.room < reserved + self._fast_room:
+        if room < reserved + self._fast_room:
             self._update_fast_path()
         return result
 
@@ -481,7 +488,7 @@ class ClusterEngine:
         if durability is not None:
             try:
                 if self._unwritten:  # commit_now's, before any of the Ready's
-                    durability.storage.append(self._unwritten)
+                    durability.storage.append_frames(self._unwritten)
                     self._unwritten.clear()
                 self._persist(durability, ready)
             except StorageError as exc:
@@ -517,7 +524,7 @@ class ClusterEngine:
         commit_now (the core's Ready is empty): write them, let the answers
         held go; nothing else of the core changed (its timer stands)."""
         try:
-            durability.storage.append(self._unwritten)
+            durability.storage.append_frames(self._unwritten)
             self._unwritten.clear()
             durability.after_write(OwnSync.BEFORE_SEND)
         except StorageError as exc:
