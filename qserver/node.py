@@ -102,8 +102,10 @@ class Node:
         self.engine.on_role_change = self.service.role_changed
         self.engine.release_answers = self._release_answers
         # Client protocols holding answers back while the engine holds
-        # (Engine.holding), to release once it lets them go.
-        self._owed: list[ClientTcpProtocol | ClientUdpProtocol] = []
+        # (Engine.holding), to release once it lets them go: a protocol
+        # appends itself, once until released (it binds `owed.append` once:
+        # the list is emptied in place, never replaced).
+        self.owed: list[ClientTcpProtocol | ClientUdpProtocol] = []
         self.service.schedule = self._schedule_tick
         # The service's timer (long polls, leases): one, at its earliest deadline.
         self._tick_timer: asyncio.TimerHandle | None = None
@@ -122,8 +124,9 @@ class Node:
         self._udp: asyncio.DatagramTransport | None = None
         self._stopped = asyncio.Event()
         # Set during shutdown while connections owe answers: set once none
-        # owes any (connection_idle); None otherwise.
-        self._drained: asyncio.Event | None = None
+        # owes any (connection_idle, which the protocols call only while
+        # this is not None); None otherwise.
+        self.drained: asyncio.Event | None = None
         self._gc_timer: asyncio.TimerHandle | None = None
         # The client answers and their latency, by action and code: the
         # client protocols count, the metrics read (stats.py, metrics.py).
@@ -230,15 +233,12 @@ class Node:
         None without <http>."""
         return self.http.address if self.http is not None else None
 
-    def owe(self, protocol: ClientTcpProtocol | ClientUdpProtocol) -> None:
-        """`protocol` holds answers back until the engine releases them (it
-        registers once until released)."""
-        self._owed.append(protocol)
-
     def _release_answers(self) -> None:
         """The engine's records are written: the answers held may go."""
-        owed, self._owed = self._owed, []
-        for protocol in owed:
+        owed = self.owed
+        protocols = owed[:]
+        owed.clear()
+        for protocol in protocols:
             protocol.release()
 
     def _schedule_tick(self, at_ms: int) -> None:
@@ -273,7 +273,7 @@ class Node:
     def connection_idle(self) -> None:
         """A connection owes no answers any more (or closed): during
         shutdown, the drain ends once every connection is idle."""
-        drained = self._drained
+        drained = self.drained
         if drained is not None and all(c.idle for c in self.connections):
             drained.set()
 
@@ -349,13 +349,13 @@ class Node:
             self._udp.close()
         loop = asyncio.get_running_loop()
         if not self.failed and any(not c.idle for c in self.connections):
-            self._drained = asyncio.Event()
+            self.drained = asyncio.Event()
             try:
-                await asyncio.wait_for(self._drained.wait(), SHUTDOWN_GRACE_S)
+                await asyncio.wait_for(self.drained.wait(), SHUTDOWN_GRACE_S)
             except TimeoutError:
                 log.warning("node %d: answers still owed after %g s; closing anyway",
                             self.config.node_id, SHUTDOWN_GRACE_S)
-            self._drained = None
+            self.drained = None
         for c in list(self.connections):
             if c.transport is not None:
                 if self.failed:

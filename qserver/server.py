@@ -124,6 +124,7 @@ class ClientTcpProtocol(asyncio.Protocol):
         self._fast = node.request_stats.fast
         self._count = node.request_stats.answered
         self.owed = False  # registered with the node to write answers held back
+        self._owe = node.owed.append
         # What this client has waiting (parked consumes): dropped when it goes.
         self.session = Session()
         # <security>: the node's guard (None: every request is allowed), and
@@ -165,7 +166,9 @@ class ClientTcpProtocol(asyncio.Protocol):
                     self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
                     if self._engine.holding:  # its record is not written yet
                         self.slots.append([encode_response(response)])
-                        self._hold()
+                        if not self.owed:  # _hold, inline
+                            self.owed = True
+                            self._owe(self)
                     elif self.transport is not None:
                         self.transport.write(encode_response(response))
                     return
@@ -277,11 +280,22 @@ class ClientTcpProtocol(asyncio.Protocol):
         the node releases them."""
         if not self.owed:
             self.owed = True
-            self.node.owe(self)
+            self._owe(self)
 
     def release(self) -> None:
         """The node: the answers held back may go now."""
         self.owed = False
+        slots = self.slots
+        transport = self.transport
+        if (len(slots) == 1 and transport is not None and not self.closing
+                and not self.too_many_slots and self.node.drained is None):
+            # The common case (one answer held, nothing else owed): _flush
+            # without its calls.
+            answer = slots[0][0]
+            if answer is not None:
+                slots.popleft()
+                transport.write(answer)
+                return
         self._flush()
 
     def _write_head(self) -> None:
@@ -352,6 +366,7 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         self._count = node.request_stats.answered
         # Answers held back while the engine holds (Engine.holding).
         self.held: list[tuple[bytes, Any]] = []
+        self._owe = node.owed.append
         self._guard: Guard | None = node.guard  # <security>; None: all allowed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -375,8 +390,11 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         transport = self.transport
         if len(payload) <= MAX_UDP_PAYLOAD and transport is not None:
             self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
-            if self._engine.holding:
-                self._hold(payload, addr)
+            if self._engine.holding:  # _hold, inline
+                held = self.held
+                if not held:
+                    self._owe(self)
+                held.append((payload, addr))
             else:
                 transport.sendto(payload, addr)
         else:
@@ -420,7 +438,7 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
 
     def _hold(self, payload: bytes, addr) -> None:
         if not self.held:
-            self.node.owe(self)
+            self._owe(self)
         self.held.append((payload, addr))
 
     def release(self) -> None:
