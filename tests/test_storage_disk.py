@@ -397,6 +397,28 @@ def test_truncate_after_across_segments(tmp_path, cut):
         assert_only_records(f)
 
 
+@pytest.mark.parametrize("cut", range(0, 31))
+def test_truncate_inside_a_write_of_many_records(tmp_path, cut):
+    """Writes of 1, 7, 12 and 10 records into one segment: a cut at every
+    trans_id, at a write's first record, inside one, at its last; then
+    appending, cutting again and reading back."""
+    storage, _ = open_dir(tmp_path, segment_bytes=1 << 20)
+    for first, last in ((1, 1), (2, 8), (9, 20), (21, 30)):
+        storage.append_frames([fmt.encode_record(r) for r in recs(first, last)])
+    storage.truncate_after(cut)
+    assert storage.next_trans_id == cut + 1
+    storage.append(recs(cut + 1, cut + 5, vote_id=2))
+    storage.truncate_after(cut + 2)
+    storage.append(recs(cut + 3, cut + 4, vote_id=3))
+    storage.abandon()
+    _, got = open_dir(tmp_path)
+    assert got.records == (recs(1, cut) + recs(cut + 1, cut + 2, vote_id=2)
+                           + recs(cut + 3, cut + 4, vote_id=3))
+    assert got.reports == []
+    for f in segment_files(tmp_path):
+        assert_only_records(f)
+
+
 def test_truncate_at_a_segment_boundary(tmp_path):
     storage, _ = open_dir(tmp_path)
     storage.append(recs(1, 80))

@@ -76,8 +76,8 @@ import logging
 import os
 import re
 from array import array
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
-from itertools import accumulate
 from typing import Any, Literal, NamedTuple, overload
 
 from ..config import Fsync
@@ -226,7 +226,11 @@ class DiskStorage:
         self.segment_bytes = segment_bytes
         self._segments: list[Segment] = []  # the log, oldest first; the last is current
         self._fd = -1  # open on the last segment (append only) or -1
-        self._offsets = array("Q")  # start of each frame in the last segment
+        # Where each write (one or more frames) into the last segment began:
+        # its first trans_id and its offset, in order. A truncation reads
+        # the frame headers of the one write it cuts into (`_cut_offset`).
+        self._mark_ids = array("Q")
+        self._mark_offsets = array("Q")
         self._next_trans_id = 1  # trans_id the next append must have
         self._base = 0  # trans_id of the newest snapshot (0: none)
         self._dirty = False  # the last segment has writes not yet fsynced
@@ -361,8 +365,8 @@ class DiskStorage:
         self._next_trans_id = records[-1].trans_id + 1 if records else base + 1
         if segments:
             last = segments[-1]
-            self._offsets = array("Q", found.last_offsets)
-            if last.first + len(self._offsets) != self._next_trans_id:
+            self._index_frames(last.first, found.last_offsets)
+            if last.first + len(found.last_offsets) != self._next_trans_id:
                 # only records at or below the snapshot remain in it; they end
                 # at the snapshot point (checked above), so this cannot happen
                 raise InvariantError(f"{last.path}: recovered log does not end at the snapshot")
@@ -477,59 +481,61 @@ class DiskStorage:
         if not encoded:
             return
         expect = self._next_trans_id + len(encoded)
-        left = sum(map(len, encoded))  # bytes still to place
         trans_id = self._next_trans_id
         seg = self._segments[-1] if self._fd >= 0 else None
+        data = b"".join(encoded)
+        left = len(data)  # bytes still to place
         if seg is not None and seg.size + left <= self.segment_bytes:
             # The common case: every frame goes into the current segment,
-            # one write; their offsets in one C-level pass.
-            offsets = self._offsets
-            offsets.extend(accumulate(map(len, encoded[:-1]), initial=seg.size))
-            self._write(seg, encoded, left)
+            # one write.
+            self._write(seg, data, len(encoded), trans_id)
             self._next_trans_id = expect
             return
         frames: list[bytes] = []
         pending = 0  # bytes in frames
-        offsets = self._offsets
+        first = trans_id  # of frames[0]
         may_roll = True  # False once a roll found no space (not tried again in this call)
         for frame in encoded:
             if seg is None:  # no current segment (so nothing in `frames`): one is required
                 seg = self._roll(trans_id, left, required=True)
-                offsets = self._offsets
             elif (may_roll and seg.size + pending > 0
                   and seg.size + pending + len(frame) > self.segment_bytes):
                 if frames:
-                    self._write(seg, frames, pending)
-                    frames, pending = [], 0
+                    self._write(seg, b"".join(frames), len(frames), first)
+                    frames, pending, first = [], 0, trans_id
                 rolled = self._roll(trans_id, left, required=False)
                 if rolled is None:
                     may_roll = False
                 else:
                     seg = rolled
-                    offsets = self._offsets
-            offsets.append(seg.size + pending)
             frames.append(frame)
             pending += len(frame)
             left -= len(frame)
             trans_id += 1
         if frames and seg is not None:  # (frames are only ever added to a segment)
-            self._write(seg, frames, pending)
+            self._write(seg, b"".join(frames), len(frames), first)
         self._next_trans_id = expect
 
-    def _write(self, seg: Segment, frames: list[bytes], size: int) -> None:
-        end = seg.size + size
+    def _write(self, seg: Segment, data: bytes, count: int, first: int) -> None:
+        """Write `count` frames (`data`; the first is trans_id `first`) at
+        the end of `seg`, the current segment."""
+        start = seg.size
+        self._mark_ids.append(first)
+        self._mark_offsets.append(start)
+        end = start + len(data)
         if end > seg.allocated:  # not reserved with make_room: extend the zeros now
             self._fill_zeros(seg, end + min(PREALLOCATE_BYTES, self.segment_bytes))
         try:
-            _pwrite_all(self._fd, b"".join(frames), seg.size)
+            if os.pwrite(self._fd, data, start) != len(data):  # rare: a short write
+                _pwrite_all(self._fd, data, start)  # (all again, from the start)
         except OSError as exc:
-            raise self._fail(seg.path, seg.size, "write", exc) from exc
+            raise self._fail(seg.path, start, "write", exc) from exc
         seg.size = end
         if end > seg.allocated:
             seg.allocated = end
         self._dirty = True
         self._appends += 1
-        self.records_written += len(frames)
+        self.records_written += count
 
     def _fill_zeros(self, seg: Segment, length: int) -> bool:
         """Fill the current segment's file with zeros up to `length` bytes
@@ -669,7 +675,7 @@ class DiskStorage:
             raise
         self._fd = fd
         self._segments.append(seg)
-        self._offsets = array("Q")
+        self._index_frames(first, [])
         self._dir_dirty = True
         return seg
 
@@ -734,8 +740,9 @@ class DiskStorage:
         later segments are removed and the one holding trans_id is cut right
         after it and fsynced. A no-op if the log ends at or before trans_id.
         Raises InvariantError below the snapshot (those records are gone).
-        Cost: O(1) within the current segment; reads a segment's headers
-        when the cut falls in an older one.
+        Cost: within the current segment, a read of the one write the cut
+        falls into (its frame headers); a segment's headers when the cut
+        falls in an older one.
         """
         self._check_usable()
         if trans_id >= self._next_trans_id - 1:
@@ -743,8 +750,10 @@ class DiskStorage:
         if trans_id < self._base:
             raise InvariantError(f"truncate after {trans_id}, below the snapshot at {self._base}")
         segments = self._segments
+        end_id = self._next_trans_id  # after the last record of the segment cut into
         while segments and segments[-1].first > trans_id:
             seg = segments.pop()
+            end_id = seg.first
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -756,15 +765,12 @@ class DiskStorage:
         self._dirty = False
         if segments:
             seg = segments[-1]
-            keep = trans_id - seg.first + 1  # records of seg to keep (>= 1)
             try:
                 if self._fd < 0:  # the cut is in an older segment: index it
-                    self._offsets = array("Q", frame_offsets(read_file(seg.path, seg.size)))
+                    self._index_frames(seg.first, frame_offsets(read_file(seg.path, seg.size)))
                     self._fd = os.open(seg.path, os.O_WRONLY)
-                offsets = self._offsets
-                if keep < len(offsets):
-                    seg.size = offsets[keep]
-                    del offsets[keep:]
+                if trans_id + 1 < end_id:
+                    seg.size = self._cut_offset(seg, trans_id + 1)
                 if seg.allocated > seg.size:  # also zeroes what was cut
                     os.ftruncate(self._fd, seg.size)
                     seg.allocated = seg.size
@@ -773,6 +779,36 @@ class DiskStorage:
                 raise self._fail(seg.path, None, "truncate", exc) from exc
         self._sync_dir()
         self._next_trans_id = trans_id + 1
+
+    def _index_frames(self, first: int, offsets: list[int]) -> None:
+        """The marks of a segment read back (or new): one per frame, the
+        first frame being trans_id `first`."""
+        self._mark_ids = array("Q", range(first, first + len(offsets)))
+        self._mark_offsets = array("Q", offsets)
+
+    def _cut_offset(self, seg: Segment, trans_id: int) -> int:
+        """Where the frame of `trans_id` starts in `seg` (the current
+        segment, whose marks these are, and which holds that frame),
+        dropping the marks from it on. Reads the headers of the one write
+        that holds it (at most a turn's records)."""
+        ids, offsets = self._mark_ids, self._mark_offsets
+        i = bisect_right(ids, trans_id) - 1
+        if i < 0:
+            raise InvariantError(f"{seg.path}: no write holds trans_id {trans_id}")
+        start = offsets[i]
+        skip = trans_id - ids[i]  # frames of that write to keep
+        if skip:
+            end = offsets[i + 1] if i + 1 < len(offsets) else seg.size
+            with open(seg.path, "rb") as f:
+                f.seek(start)
+                frames = frame_offsets(f.read(end - start), skip + 1)
+            if len(frames) <= skip:  # never: the write's frames were all accepted
+                raise InvariantError(f"{seg.path}: no frame of trans_id {trans_id} at {start}")
+            start += frames[skip]
+            i += 1
+        del ids[i:]
+        del offsets[i:]
+        return start
 
     # -- snapshots -----------------------------------------------------------
 
@@ -867,7 +903,7 @@ class DiskStorage:
         for seg in self._segments:
             unlink_quietly(seg.path)
         self._segments = []
-        self._offsets = array("Q")
+        self._index_frames(0, [])
         self._dirty = False
         self._dir_dirty = True
         self._base = trans_id
