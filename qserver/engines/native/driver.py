@@ -213,6 +213,9 @@ class ClusterEngine:
         self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
         # The records commit_now appended this turn, encoded, to write.
         self._unwritten: list[bytes] = []
+        # What commit_now may reserve before it must look at the log's room:
+        # the room less _fast_room, as of the last write or _update_fast_path.
+        self._fast_budget = -1
         # (respond, answer) to forwarded requests, held as `holding` says
         self._held_replies: list[tuple[Respond, dict]] = []
         # Set by the node: called once the records that `holding` waited for
@@ -323,8 +326,10 @@ class ClusterEngine:
         record = core.next_record(entry)
         frame = encode_record(record)  # once: its exact size is reserved, its bytes written
         reserved = self._reserved + len(frame)
-        room = storage.room
-        if room < reserved + DISK_MARGIN_BYTES:
+        # Within the budget, the log's room holds this record and more than
+        # one request's beyond it; past it, look at the room itself.
+        within = reserved <= self._fast_budget
+        if not within and storage.room < reserved + DISK_MARGIN_BYTES:
             # _update_fast_path keeps more room than one request can need
             raise InvariantError("commit_now without room for its record")
         result = core.append_record_now(record)
@@ -334,7 +339,7 @@ class ClusterEngine:
             self.holding = True
             if not self._flush_scheduled:
                 self._schedule_flush()
-        if room < reserved + self._fast_room:
+        if not within:
             self._update_fast_path()
         return result
 
@@ -531,6 +536,7 @@ class ClusterEngine:
             self._fail(exc)
             return
         self._reserved = 0
+        self._fast_budget = durability.storage.room - self._fast_room
         self._release_held()
         self.snapshots.maybe_write()
 
@@ -622,6 +628,8 @@ class ClusterEngine:
                 self._fail(exc)
                 on = False
         self.commits_at_once = on
+        if storage is not None:
+            self._fast_budget = storage.room - self._fast_room if on else -1
 
     def _retry_disk(self, storage: DiskStorage) -> None:
         self._disk_timer = None

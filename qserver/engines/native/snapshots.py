@@ -153,6 +153,7 @@ class SnapshotFiles:
         self.storage = storage
         self.node_id = node_id
         self.log_size = log_size
+        self._every = max(1, log_size)  # entries applied since the newest snapshot to write one
         self._send = send
         self._step = step
         self._schedule_flush = schedule_flush
@@ -225,9 +226,13 @@ class SnapshotFiles:
         the newest snapshot (one writer at a time)."""
         if self._child is not None or self._loop is None:  # writing, or not started
             return
-        trans_id, vote_id = self.core.snapshot_point()
-        if trans_id - self.core.snapshot_id < max(1, self.log_size):
+        core = self.core
+        # snapshot_point's trans_id, without the call (this runs every turn)
+        commit_id, applied_id = core.commit_id, core.applied_id
+        if ((commit_id if commit_id < applied_id else applied_id) - core.snapshot_id
+                < self._every):
             return
+        trans_id, vote_id = core.snapshot_point()
         if time.monotonic() < self._retry_at:
             return
         self._fork_snapshot(trans_id, vote_id)
