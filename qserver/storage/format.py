@@ -150,18 +150,17 @@ _PRODUCE = int(Kind.PRODUCE)
 def encode_record(record: Record) -> bytes:
     """One record as a frame. Raises ValueError if it is over MAX_RECORD_BYTES
     (it could never be read back)."""
-    entry = record.entry
+    trans_id, vote_id, entry = record
     if type(entry) is Produce:
-        # record_to_wire's list, built here for the most common entry:
-        # msgpack writes the tuples of `targets` as the arrays that
-        # record_to_wire's lists are (the same bytes; a test holds it).
-        payload: bytes = _pack([record.trans_id, record.vote_id,
-                                [_PRODUCE, entry.targets, entry.data, entry.ready_ms,
-                                 entry.ttl_ms, entry.retry_ms]])
+        # record_to_wire's list, built here for the most common entry (its
+        # fields in order, unpacked: targets, data, ready_ms, ttl_ms,
+        # retry_ms): msgpack writes the tuples of `targets` as the arrays
+        # that record_to_wire's lists are (the same bytes; a test holds it).
+        payload: bytes = _pack([trans_id, vote_id, [_PRODUCE, *entry]])
     else:
         payload = _pack(record_to_wire(record))
     if len(payload) > MAX_RECORD_BYTES:
-        raise ValueError(f"record {record.trans_id} is {len(payload)} bytes, "
+        raise ValueError(f"record {trans_id} is {len(payload)} bytes, "
                          f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
