@@ -197,35 +197,3 @@ def test_durable_journal_fsyncs_the_vote_before_returning_and_entries_on_sync(tm
     again = DurableJournal(path)
     assert again.getCurrentTerm() == 3 and len(again) == 2
     again._destroy()
-
-
-def test_temporary_directories_of_killed_nodes_are_removed_and_others_kept(tmp_path):
-    """A memory-only raft node keeps its dump file in a temporary directory
-    named with its pid; one killed never removes it. The next node's start
-    removes those whose process is gone, and nothing else."""
-    import subprocess
-    import sys
-
-    from qserver.engines.raft.driver import remove_stale_tmp_dirs
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        names = {
-            "dead": f"qserver-raft-{gone.pid}-ab12cd",
-            "alive": f"qserver-raft-{alive.pid}-ef34gh",
-            "mine": f"qserver-raft-{os.getpid()}-ij56kl",
-            "old": "qserver-raft-mn78op",  # before the pid was in the name: unknown, kept
-            "other": f"something-{gone.pid}-else",
-        }
-        for name in names.values():
-            (tmp_path / name).mkdir()
-            (tmp_path / name / "raft.dump").write_bytes(b"state")
-        removed = remove_stale_tmp_dirs(str(tmp_path))
-        assert removed == [str(tmp_path / names["dead"])]
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            v for k, v in names.items() if k != "dead")
-    finally:
-        alive.kill()
-        alive.wait()

@@ -4,7 +4,10 @@ and random crash schedules against a model of what must survive."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -754,3 +757,34 @@ def test_a_page_of_zeros_before_records_in_an_older_segment_is_corruption(tmp_pa
     first.write_bytes(bytes(data))
     with pytest.raises(StorageError, match="before valid records"):
         open_dir(tmp_path, segment_bytes=8192)
+
+
+def test_temporary_directories_of_killed_nodes_are_removed_and_others_kept(tmp_path):
+    """A node without storage keeps its raft dump or snapshot files in a
+    temporary directory named with its pid; one killed never removes it.
+    The next such node's start removes those whose process is gone, and
+    nothing else."""
+    from qserver.storage.disk import remove_stale_tmp_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            "dead": f"qserver-raft-{gone.pid}-ab12cd",
+            "dead-snap": f"qserver-snap-{gone.pid}-qr90st",
+            "alive": f"qserver-raft-{alive.pid}-ef34gh",
+            "mine": f"qserver-raft-{os.getpid()}-ij56kl",
+            "old": "qserver-raft-mn78op",  # before the pid was in the name: unknown, kept
+            "other": f"something-{gone.pid}-else",
+        }
+        for name in names.values():
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "raft.dump").write_bytes(b"state")
+        removed = remove_stale_tmp_dirs(str(tmp_path))
+        assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "dead-snap"))
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            v for k, v in names.items() if not k.startswith("dead"))
+    finally:
+        alive.kill()
+        alive.wait()

@@ -11,6 +11,7 @@ from .disk import (
     DiskStorage,
     Recovered,
     StorageError,
+    private_tmp_dir,
     snapshot_file_name,
     unlink_quietly,
     write_snapshot_file,
@@ -20,4 +21,4 @@ from .kernel_sync import KernelSync
 
 __all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES",
            "store_wire_iter", "decode_snapshot", "encode_record", "record_size_bound",
-           "snapshot_file_name", "unlink_quietly", "write_snapshot_file"]
+           "snapshot_file_name", "unlink_quietly", "write_snapshot_file", "private_tmp_dir"]

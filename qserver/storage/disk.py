@@ -75,6 +75,8 @@ import fcntl
 import logging
 import os
 import re
+import shutil
+import tempfile
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
@@ -160,6 +162,45 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view = memoryview(data)
         while n < len(view):
             n += os.pwrite(fd, view[n:], offset + n)
+
+
+# A node without storage keeps its snapshot or dump files in a private
+# temporary directory named with its pid (`private_tmp_dir`), removed when
+# it stops. One killed (kill -9) never removes it, and those files hold its
+# messages: the next such node to start removes the directories of
+# processes that are gone.
+_TMP_NAME = re.compile(r"qserver-([a-z]+)-(\d+)-[^/]+")
+
+
+def private_tmp_dir(kind: str) -> str:
+    """A new temporary directory `qserver-<kind>-<pid>-*` for a node without
+    storage, after removing those of processes that are gone."""
+    remove_stale_tmp_dirs(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"qserver-{kind}-{os.getpid()}-")
+
+
+def remove_stale_tmp_dirs(root: str) -> list[str]:
+    """Remove the directories in `root` that `private_tmp_dir` made for a
+    process that is gone. One whose pid is alive (or another user's
+    process) stays, and so does any other name. Returns the paths removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP_NAME.fullmatch(name)
+        if m is None or int(m[2]) in (0, os.getpid()):
+            continue
+        try:
+            os.kill(int(m[2]), 0)
+        except ProcessLookupError:
+            path = os.path.join(root, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or no such pid on this system
+    return removed
 
 
 def unlink_quietly(path: str) -> None:

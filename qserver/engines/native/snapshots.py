@@ -37,7 +37,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from ...stats import PAUSE_BUCKETS_S, Histogram
 from ...storage import (
     DiskStorage,
     decode_snapshot,
+    private_tmp_dir,
     snapshot_file_name,
     store_wire_iter,
     unlink_quietly,
@@ -159,8 +159,7 @@ class SnapshotFiles:
         self._schedule_flush = schedule_flush
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
         self._own_dir = storage is None
-        self.dir = (tempfile.mkdtemp(prefix="qserver-snap-") if storage is None
-                    else storage.directory)
+        self.dir = private_tmp_dir("snap") if storage is None else storage.directory
         self._child: tuple[int, int, int, int, float] | None = None  # pid, fd, t, v, start
         self._retry_at = 0.0  # no new writer before this (monotonic s) after a failure
         self._outgoing: dict[int, _Outgoing] = {}  # streams to slaves, by node id

@@ -66,9 +66,7 @@ import hashlib
 import hmac
 import logging
 import os
-import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -86,6 +84,7 @@ from ...errors import InvariantError
 from ...state.entries import Entry, Noop
 from ...state.store import Store
 from ...stats import FSYNC_BUCKETS_S, PAUSE_BUCKETS_S, Histogram
+from ...storage import private_tmp_dir
 from ...tls import peer_contexts
 from ..base import (
     Cancel,
@@ -112,35 +111,9 @@ from ..peers import PeerNetwork
 from .appends import RaftAppends
 from .machine import OUTCOME_UNKNOWN, RaftMachine
 
-__all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal",
-           "remove_stale_tmp_dirs"]
+__all__ = ["RaftEngine", "RAFT_PORT_OFFSET", "raft_password", "DurableJournal"]
 
 log = logging.getLogger(__name__)
-
-
-def remove_stale_tmp_dirs(root: str) -> list[str]:
-    """Remove the temporary directories in `root` of memory-only raft nodes
-    whose process is gone (killed: their close() never ran; the dump file
-    there holds their messages). A directory whose pid is alive, or
-    belongs to another user's process, stays. Returns the paths removed."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        m = _TMP_NAME.fullmatch(name)
-        if m is None or int(m[1]) in (0, os.getpid()):
-            continue
-        try:
-            os.kill(int(m[1]), 0)
-        except ProcessLookupError:
-            path = os.path.join(root, name)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except (PermissionError, OverflowError):
-            pass  # alive (another user's), or no such pid on this system
-    return removed
 
 # pysyncobj listens on the internal port + this (the internal port itself
 # carries the peer links used for forwarding). Documented in the README.
@@ -149,13 +122,6 @@ RAFT_PORT_OFFSET = 1000
 # How long pysyncobj's thread waits for the loop to hand it a snapshot of
 # the store before giving up (it retries at its next compaction).
 SNAPSHOT_WAIT_S = 30.0
-
-# A node without storage keeps pysyncobj's dump file (the whole state, at
-# each log compaction) in a temporary directory named with its pid, removed
-# at close. One killed (kill -9) never closes: the next such node to start
-# removes the directories of processes that are gone (remove_stale_tmp_dirs).
-_TMP_PREFIX = "qserver-raft-"
-_TMP_NAME = re.compile(r"qserver-raft-(\d+)-[^/]+")
 
 # The label of the password derivation: changing it splits clusters.
 _PASSWORD_LABEL = b"qserver raft password v1"
@@ -648,8 +614,8 @@ class RaftEngine:
             os.makedirs(cfg.storage_dir, exist_ok=True)
             data_dir, journal = cfg.storage_dir, os.path.join(cfg.storage_dir, "raft.journal")
         else:
-            remove_stale_tmp_dirs(tempfile.gettempdir())
-            self._tmp_dir = data_dir = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
+            # pysyncobj's dump file (the whole state, at each compaction)
+            self._tmp_dir = data_dir = private_tmp_dir("raft")
             journal = None
         conf = SyncObjConf(
             password=raft_password(cfg), journalFile=journal,
