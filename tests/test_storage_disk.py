@@ -761,30 +761,47 @@ def test_a_page_of_zeros_before_records_in_an_older_segment_is_corruption(tmp_pa
 
 def test_temporary_directories_of_killed_nodes_are_removed_and_others_kept(tmp_path):
     """A node without storage keeps its raft dump or snapshot files in a
-    temporary directory named with its pid; one killed never removes it.
-    The next such node's start removes those whose process is gone, and
-    nothing else."""
-    from qserver.storage.disk import remove_stale_tmp_dirs
+    private temporary directory, locked while its process lives; one killed
+    never removes it. The next such node's start removes those whose lock
+    can be taken, and nothing else."""
+    from qserver.storage import disk
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    def made(name: str, lock: bool = True) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "raft.dump").write_bytes(b"state")
+        if lock:
+            (tmp_path / name / ".owner.lock").touch()
+
+    made("qserver-raft-4242-ab12cd")  # its owner was killed: nobody holds the lock
+    made("qserver-snap-4343-qr90st")
+    made("qserver-snap-4444-uv12wx")  # its owner lives (the child below holds the lock)
+    made("qserver-raft-4545-yz34ab", lock=False)  # being made: no lock file yet
+    made("qserver-raft-mn78op")  # an older release's name
+    made("something-else")
+    hold = ("import fcntl, os, sys, time; "
+            "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path / "qserver-snap-4444-uv12wx" / ".owner.lock")],
+        stdout=subprocess.PIPE, text=True)
     try:
-        names = {
-            "dead": f"qserver-raft-{gone.pid}-ab12cd",
-            "dead-snap": f"qserver-snap-{gone.pid}-qr90st",
-            "alive": f"qserver-raft-{alive.pid}-ef34gh",
-            "mine": f"qserver-raft-{os.getpid()}-ij56kl",
-            "old": "qserver-raft-mn78op",  # before the pid was in the name: unknown, kept
-            "other": f"something-{gone.pid}-else",
-        }
-        for name in names.values():
-            (tmp_path / name).mkdir()
-            (tmp_path / name / "raft.dump").write_bytes(b"state")
-        removed = remove_stale_tmp_dirs(str(tmp_path))
-        assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "dead-snap"))
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            v for k, v in names.items() if not k.startswith("dead"))
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        removed = disk.remove_stale_tmp_dirs(str(tmp_path))
+        assert sorted(removed) == [str(tmp_path / "qserver-raft-4242-ab12cd"),
+                                   str(tmp_path / "qserver-snap-4343-qr90st")]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "qserver-raft-4545-yz34ab", "qserver-raft-mn78op", "qserver-snap-4444-uv12wx",
+            "something-else"]
     finally:
-        alive.kill()
-        alive.wait()
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()  # type: ignore[union-attr]
+    # this process's own directory stays while it holds it, and goes with it
+    mine = disk.private_tmp_dir("test")
+    try:
+        assert os.path.basename(mine).startswith(f"qserver-test-{os.getpid()}-")
+        assert mine not in disk.remove_stale_tmp_dirs(os.path.dirname(mine))
+        assert os.path.isdir(mine)
+    finally:
+        disk.remove_private_tmp_dir(mine)
+    assert not os.path.exists(mine)

@@ -12,6 +12,7 @@ from .disk import (
     Recovered,
     StorageError,
     private_tmp_dir,
+    remove_private_tmp_dir,
     snapshot_file_name,
     unlink_quietly,
     write_snapshot_file,
@@ -21,4 +22,5 @@ from .kernel_sync import KernelSync
 
 __all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES",
            "store_wire_iter", "decode_snapshot", "encode_record", "record_size_bound",
-           "snapshot_file_name", "unlink_quietly", "write_snapshot_file", "private_tmp_dir"]
+           "snapshot_file_name", "unlink_quietly", "write_snapshot_file", "private_tmp_dir",
+           "remove_private_tmp_dir"]

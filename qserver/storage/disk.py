@@ -165,41 +165,64 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 
 # A node without storage keeps its snapshot or dump files in a private
-# temporary directory named with its pid (`private_tmp_dir`), removed when
-# it stops. One killed (kill -9) never removes it, and those files hold its
-# messages: the next such node to start removes the directories of
-# processes that are gone.
-_TMP_NAME = re.compile(r"qserver-([a-z]+)-(\d+)-[^/]+")
+# temporary directory, `qserver-<kind>-<pid>-*` (`private_tmp_dir`), removed
+# when it stops (`remove_private_tmp_dir`). One killed (kill -9) never
+# removes it, and those files hold its messages: the next such node to
+# start removes the directories whose owner is gone. The owner holds an
+# flock on the directory's _OWNER_LOCK while it lives; the kernel drops it
+# when the process dies, whatever its pid namespace (a pid alone would not
+# tell, for a /tmp shared between containers).
+_TMP_NAME = re.compile(r"qserver-[a-z]+-\d+-[^/]+")
+_OWNER_LOCK = ".owner.lock"
+_owned_tmp_dirs: dict[str, int] = {}  # path -> the descriptor holding its lock
 
 
 def private_tmp_dir(kind: str) -> str:
     """A new temporary directory `qserver-<kind>-<pid>-*` for a node without
-    storage, after removing those of processes that are gone."""
+    storage, locked as this process's; first, those of processes that are
+    gone are removed."""
     remove_stale_tmp_dirs(tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"qserver-{kind}-{os.getpid()}-")
+    path = tempfile.mkdtemp(prefix=f"qserver-{kind}-{os.getpid()}-")
+    fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (a new file: nobody else holds it)
+    _owned_tmp_dirs[path] = fd
+    return path
+
+
+def remove_private_tmp_dir(path: str) -> None:
+    """Remove a directory `private_tmp_dir` made, and release its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _owned_tmp_dirs.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def remove_stale_tmp_dirs(root: str) -> list[str]:
     """Remove the directories in `root` that `private_tmp_dir` made for a
-    process that is gone. One whose pid is alive (or another user's
-    process) stays, and so does any other name. Returns the paths removed."""
+    process that is gone: those whose owner lock can be taken. One whose
+    owner lives, one without a lock file (being made right now), and any
+    other name stay. Returns the paths removed."""
     removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
         return removed
     for name in names:
-        m = _TMP_NAME.fullmatch(name)
-        if m is None or int(m[2]) in (0, os.getpid()):
+        path = os.path.join(root, name)
+        if _TMP_NAME.fullmatch(name) is None or path in _owned_tmp_dirs:
             continue
         try:
-            os.kill(int(m[2]), 0)
-        except ProcessLookupError:
-            path = os.path.join(root, name)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except (PermissionError, OverflowError):
-            pass  # alive (another user's), or no such pid on this system
+            fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives
+        finally:
+            os.close(fd)  # (releases the lock taken, if it was)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

@@ -34,7 +34,6 @@ import ctypes
 import gc
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -49,6 +48,7 @@ from ...storage import (
     DiskStorage,
     decode_snapshot,
     private_tmp_dir,
+    remove_private_tmp_dir,
     snapshot_file_name,
     store_wire_iter,
     unlink_quietly,
@@ -357,7 +357,7 @@ class SnapshotFiles:
             unlink_quietly(self._incoming.path)
             self._incoming = None
         if self._own_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            remove_private_tmp_dir(self.dir)
 
     # -- snapshots: streaming to a slave ---------------------------------------
 

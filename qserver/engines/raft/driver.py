@@ -66,7 +66,6 @@ import hashlib
 import hmac
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -84,7 +83,7 @@ from ...errors import InvariantError
 from ...state.entries import Entry, Noop
 from ...state.store import Store
 from ...stats import FSYNC_BUCKETS_S, PAUSE_BUCKETS_S, Histogram
-from ...storage import private_tmp_dir
+from ...storage import private_tmp_dir, remove_private_tmp_dir
 from ...tls import peer_contexts
 from ..base import (
     Cancel,
@@ -655,7 +654,7 @@ class RaftEngine:
         if self.net is not None:
             await self.net.close()
         if self._tmp_dir is not None:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            remove_private_tmp_dir(self._tmp_dir)
 
     # -- from pysyncobj's thread -------------------------------------------------------
 
