@@ -183,8 +183,13 @@ def private_tmp_dir(kind: str) -> str:
     gone are removed."""
     remove_stale_tmp_dirs(tempfile.gettempdir())
     path = tempfile.mkdtemp(prefix=f"qserver-{kind}-{os.getpid()}-")
-    fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # Locked under another name, then renamed: a node starting meanwhile
+    # never finds the lock file unlocked (it would take this directory for
+    # a dead node's).
+    locking = os.path.join(path, _OWNER_LOCK + ".new")
+    fd = os.open(locking, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # (a new file: nobody else holds it)
+    os.rename(locking, os.path.join(path, _OWNER_LOCK))
     _owned_tmp_dirs[path] = fd
     return path
 
