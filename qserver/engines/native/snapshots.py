@@ -152,8 +152,8 @@ class SnapshotFiles:
         self.core = core
         self.storage = storage
         self.node_id = node_id
-        self.log_size = log_size
-        self._every = max(1, log_size)  # entries applied since the newest snapshot to write one
+        # entries applied since the newest snapshot that make us write one
+        self.snapshot_every = max(1, log_size)
         self._send = send
         self._step = step
         self._schedule_flush = schedule_flush
@@ -226,10 +226,7 @@ class SnapshotFiles:
         if self._child is not None or self._loop is None:  # writing, or not started
             return
         core = self.core
-        # snapshot_point's trans_id, without the call (this runs every turn)
-        commit_id, applied_id = core.commit_id, core.applied_id
-        if ((commit_id if commit_id < applied_id else applied_id) - core.snapshot_id
-                < self._every):
+        if core.applied_since_snapshot() < self.snapshot_every:
             return
         trans_id, vote_id = core.snapshot_point()
         if time.monotonic() < self._retry_at:
