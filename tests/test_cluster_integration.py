@@ -4,6 +4,7 @@ every engine must pass run once per engine (`native`, `raft`)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -44,6 +45,42 @@ def test_slaves_forward_tcp_and_udp_to_the_master(cluster, engine):
         return len(ids) == 1 and None not in ids and ids.pop() >= mon["commit_id"]
 
     wait_until(same_commit)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_slave_relays_pipelined_requests_as_batches_in_order(cluster, engine):
+    """Requests that reach a slave together go to the master as one batch
+    (engines/forwarding.py), whatever they are: produces, a bad request,
+    a node-local one, a consume that may wait, a confirm; each client hears
+    its answers in the order it asked, over two connections at once."""
+    c = cluster(engine=engine)
+    m = c.wait_master()
+    slave = next(i for i in range(1, 4) if i != m)
+    wait_until(lambda: (c.ask(slave, action=104) or {}).get("leader_node_id") == m)
+    a, b = TcpClient(c.port(slave)), TcpClient(c.port(slave))
+    burst = [{"action": 1, "queue": "batch", "data": f"a{i}", "seq": i} for i in range(40)]
+    burst[7] = {"action": 1, "queue": "batch", "data": "x", "delay": "soon", "seq": 7}  # refused
+    burst[8] = {"action": 104, "seq": 8}  # answered by the slave itself
+    burst[9] = {"action": 2, "queue": "batch", "wait": 1, "seq": 9}  # may wait: goes alone
+    burst[10] = {"action": 3, "queue": "batch", "msg_id": 1, "seq": 10}
+    a.send_raw(b"".join(json.dumps(r).encode() for r in burst))
+    b.send_raw(b"".join(json.dumps({"action": 1, "queue": "batch", "data": f"b{i}", "seq": i})
+                        .encode() for i in range(40)))
+    got_a = [a.read() for _ in burst]
+    got_b = [b.read() for _ in range(40)]
+    assert [r["seq"] for r in got_a] == list(range(40))
+    assert [r["seq"] for r in got_b] == list(range(40))
+    assert got_a[7]["code"] == -1 and "delay" in got_a[7]["reason"]
+    assert got_a[8]["code"] == 0 and got_a[8]["node_id"] == slave
+    assert got_a[9]["code"] == 0 and got_a[10]["code"] == 0
+    produced = [r for i, r in enumerate(got_a) if i not in (7, 8, 9, 10)] + got_b
+    assert all(r["code"] == 0 for r in produced)
+    ids = [r["msg_id"] for r in produced]
+    assert len(set(ids)) == len(ids) == 76
+    mon = c.ask(m, action=4, queue="batch") or {}
+    # 76 produced; the consume took one (msg_id 1 or another) and the
+    # confirm removed msg_id 1 if it was the one consumed, else nothing
+    assert mon.get("code") == 0 and mon["max_id"] == max(ids)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

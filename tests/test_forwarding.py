@@ -15,7 +15,17 @@ import pytest
 
 from qserver.engines.base import Session
 from qserver.engines.forwarding import FORWARD_TIMEOUT_S, Forwarder
-from qserver.engines.messages import Forward, ForwardCancel, ForwardReply, message_from_peer
+from qserver.engines.messages import (
+    FEATURE_FORWARD_BATCH,
+    FEATURES,
+    Features,
+    Forward,
+    ForwardBatch,
+    ForwardCancel,
+    ForwardReplies,
+    ForwardReply,
+    message_from_peer,
+)
 
 
 class FakeNet:
@@ -23,6 +33,8 @@ class FakeNet:
         self.up = up
         self.sent: list[tuple[int, object]] = []
         self.refuse = False  # send() fails (a full or broken link)
+        self.max_requests = 0  # > 0: a ForwardBatch of more is over the frame limit
+        self.flushed: list[int] = []
 
     def connected(self, peer_id: int) -> bool:
         return peer_id in self.up
@@ -30,8 +42,15 @@ class FakeNet:
     def send(self, peer_id: int, wire: object) -> bool:
         if self.refuse or peer_id not in self.up:
             return False
+        if self.max_requests and type(wire) is list and wire[0] in (16, 17) and (
+                len(wire[4] if wire[0] == 16 else wire[3]) > self.max_requests * (
+                    1 if wire[0] == 16 else 2)):
+            return False
         self.sent.append((peer_id, wire))
         return True
+
+    def flush(self, peer_id: int) -> None:
+        self.flushed.append(peer_id)
 
 
 def make(up=(1, 3), node_id=2) -> tuple[Forwarder, FakeNet]:
@@ -301,5 +320,264 @@ def test_a_broken_link_closes_the_sessions_of_that_slave_and_close_closes_all():
         assert not parked3[1][1].closed
         fwd.close()
         assert parked3[1][1].closed and parked3[1][2] == [True]
+
+    run(main())
+
+
+# -- batches: one message per turn and direction --------------------------------
+
+
+def batching(up=(1, 3), node_id=2, masters=(1,)) -> tuple[Forwarder, FakeNet]:
+    """A slave's forwarder that heard `masters` take batches."""
+    fwd, net = make(up=up, node_id=node_id)
+    for m in masters:
+        fwd.on_features(m, Features(vote_id=7, node_id=m, features=FEATURES))
+    return fwd, net
+
+
+async def next_turn() -> None:
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+def test_link_up_says_what_we_take_and_forgets_what_the_peer_took():
+    async def main():
+        fwd, net = batching()
+        fwd.link_up(1)
+        (peer, wire), = net.sent
+        msg = decode(2, wire)
+        assert peer == 1 and type(msg) is Features and msg.features & FEATURE_FORWARD_BATCH
+        # until node 1 says it again, it gets single forwards (it may have
+        # restarted as an earlier release)
+        net.sent.clear()
+        assert fwd.forward(1, {"action": 1, "n": 1}, lambda r: None)
+        assert type(decode(2, net.sent[0][1])) is Forward
+        fwd.on_features(1, Features(vote_id=7, node_id=1, features=0))  # takes nothing new
+        assert fwd.forward(1, {"action": 1, "n": 2}, lambda r: None)
+        assert [type(decode(2, w)) for _, w in net.sent] == [Forward, Forward]
+
+    run(main())
+
+
+def test_a_turns_requests_go_as_one_batch_and_each_client_hears_its_answer_once():
+    async def main():
+        fwd, net = batching()
+        answers: dict[int, list[dict]] = {i: [] for i in range(5)}
+        for i in range(5):
+            assert fwd.forward(1, {"action": 1, "n": i}, answers[i].append)
+        assert net.sent == []  # at the end of the turn
+        await next_turn()
+        (peer, wire), = net.sent
+        batch = decode(2, wire)
+        assert peer == 1 and type(batch) is ForwardBatch and net.flushed == [1]
+        assert [r["n"] for r in batch.requests] == [0, 1, 2, 3, 4]
+        first = batch.first_id
+        # the master answers some now, the others later, in any order
+        fwd.on_replies(ForwardReplies(vote_id=7, node_id=1, replies=(
+            (first + 3, {"code": 0, "n": 3}), (first, {"code": 0, "n": 0}))))
+        fwd.on_replies(ForwardReplies(vote_id=7, node_id=1, replies=(
+            (first + 1, {"code": 0, "n": 1}), (first + 4, {"code": 0, "n": 4}),
+            (first + 3, {"code": 0, "n": 33}))))  # a duplicate: dropped
+        fwd.on_reply(ForwardReply(vote_id=7, node_id=1, request_id=first + 2,
+                                  response={"code": 0, "n": 2}))
+        assert answers == {i: [{"code": 0, "n": i}] for i in range(5)}
+        assert fwd.waiting == 0
+
+    run(main())
+
+
+def test_a_lone_request_goes_as_a_single_forward():
+    async def main():
+        fwd, net = batching()
+        fwd.forward(1, {"action": 1}, lambda r: None)
+        await next_turn()
+        assert type(decode(2, net.sent[0][1])) is Forward
+
+    run(main())
+
+
+def test_a_full_batch_goes_at_once(monkeypatch):
+    from qserver.engines import forwarding
+
+    monkeypatch.setattr(forwarding, "BATCH_MAX_REQUESTS", 3)
+    monkeypatch.setattr(forwarding, "BATCH_MAX_BYTES", 100)
+
+    async def main():
+        fwd, net = batching()
+        for i in range(4):
+            fwd.forward(1, {"action": 1, "n": i}, lambda r: None)
+        # three requests: the batch went; the fourth waits for the turn's end
+        assert [[r["n"] for r in decode(2, w).requests] for _, w in net.sent] == [[0, 1, 2]]
+        fwd.forward(1, {"action": 1, "data": "x" * 100}, lambda r: None)  # 100 bytes of data
+        assert len(net.sent) == 2 and [r.get("n") for r in decode(2, net.sent[1][1]).requests] \
+            == [3, None]
+        await next_turn()
+        assert len(net.sent) == 2
+
+    run(main())
+
+
+def test_a_waiting_consume_goes_alone_after_the_requests_before_it():
+    async def main():
+        fwd, net = batching()
+        fwd.forward(1, {"action": 1, "n": 0}, lambda r: None)
+        fwd.forward(1, {"action": 1, "n": 1}, lambda r: None)
+        cancel = fwd.forward(1, {"action": 2, "queue": "q", "wait": 5}, lambda r: None,
+                             timeout_s=FORWARD_TIMEOUT_S + 5)
+        msgs = [decode(2, w) for _, w in net.sent]
+        assert [type(m) for m in msgs] == [ForwardBatch, Forward]  # in the order asked
+        assert msgs[1].request_id == msgs[0].first_id + 2
+        assert cancel is not None
+        cancel()
+        assert type(decode(2, net.sent[-1][1])) is ForwardCancel
+
+    run(main())
+
+
+def test_a_cancel_sends_its_batched_request_first():
+    async def main():
+        fwd, net = batching()
+        fwd.forward(1, {"action": 1, "n": 0}, lambda r: None)
+        answers: list[dict] = []
+        cancel = fwd.forward(1, {"action": 1, "n": 1}, answers.append)
+        assert cancel is not None and net.sent == []
+        cancel()
+        msgs = [decode(2, w) for _, w in net.sent]
+        assert [type(m) for m in msgs] == [ForwardBatch, ForwardCancel]
+        assert msgs[1].request_id == msgs[0].first_id + 1
+        await next_turn()
+        assert len(net.sent) == 2 and answers == []
+
+    run(main())
+
+
+def test_a_batch_over_the_frame_limit_goes_one_by_one():
+    async def main():
+        fwd, net = batching()
+        net.max_requests = 2
+        answers: list[dict] = []
+        for i in range(3):
+            fwd.forward(1, {"action": 1, "n": i}, answers.append)
+        await next_turn()
+        msgs = [decode(2, w) for _, w in net.sent]
+        assert [type(m) for m in msgs] == [Forward] * 3
+        assert [m.request["n"] for m in msgs] == [0, 1, 2]
+        assert len({m.request_id for m in msgs}) == 3 and answers == []
+
+    run(main())
+
+
+def test_a_batch_whose_link_went_fails_with_no_leader():
+    async def main():
+        fwd, net = batching()
+        answers: list[dict] = []
+        fwd.forward(1, {"action": 1, "seq": 1}, answers.append)
+        fwd.forward(1, {"action": 1, "seq": 2}, answers.append)
+        net.refuse = True  # the link broke before the turn ended (no down event yet)
+        await next_turn()
+        assert answers == [{"action": 1, "seq": 1, "code": -1, "reason": "no leader"},
+                           {"action": 1, "seq": 2, "code": -1, "reason": "no leader"}]
+        net.refuse = False
+        fwd.forward(1, {"action": 1, "seq": 3}, answers.append)
+        fwd.link_down(1)  # the down event: the unsent batch fails at once
+        assert answers[2:] == [{"action": 1, "seq": 3, "code": -1, "reason": "no leader"}]
+        await next_turn()
+        assert net.sent == [] and fwd.waiting == 0
+
+    run(main())
+
+
+def test_batches_go_to_each_master_that_takes_them():
+    async def main():
+        # leadership moved between forwards: each master gets its own batch
+        fwd, net = batching(masters=(1, 3))
+        fwd.forward(1, {"n": 0}, lambda r: None)
+        fwd.forward(3, {"n": 1}, lambda r: None)
+        fwd.forward(1, {"n": 2}, lambda r: None)
+        await next_turn()
+        got = {peer: [r["n"] for r in decode(2, w).requests] if decode(2, w).__class__
+               is ForwardBatch else [decode(2, w).request["n"]] for peer, w in net.sent}
+        assert got == {1: [0, 2], 3: [1]}
+
+    run(main())
+
+
+def test_close_fails_the_requests_of_an_unsent_batch():
+    async def main():
+        fwd, net = batching()
+        answers: list[dict] = []
+        fwd.forward(1, {"action": 1}, answers.append)
+        fwd.close()
+        assert answers == [{"action": 1, "code": -1, "reason": "node shutting down"}]
+        await next_turn()
+        assert net.sent == []
+
+    run(main())
+
+
+def test_the_master_answers_a_batch_with_one_message_per_turn():
+    async def main():
+        fwd, net = make(up=(2, 3), node_id=1)
+        later: list = []
+        seen: list[int] = []
+
+        def handler(request: dict, now_ms: int, respond, session) -> None:
+            seen.append(now_ms)
+            if request["n"] % 2:
+                later.append((request["n"], respond))  # answered in a later turn
+            else:
+                respond({"code": 0, "n": request["n"]})
+
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=10, requests=tuple(
+            {"action": 1, "n": n} for n in range(4))), handler)
+        fwd.serve(3, Forward(vote_id=7, node_id=3, request_id=5, request={"n": 8}), handler)
+        assert len(set(seen[:4])) == 1  # one clock reading for the batch
+        (peer, wire), = net.sent  # the single forward's answer goes at once, as before
+        assert peer == 3 and type(decode(1, wire)) is ForwardReply
+        await next_turn()
+        peer, wire = net.sent[1]
+        msg = decode(1, wire)
+        assert peer == 2 and type(msg) is ForwardReplies and 2 in net.flushed
+        assert msg.replies == ((10, {"code": 0, "n": 0}), (12, {"code": 0, "n": 2}))
+        for n, respond in later:
+            respond({"code": 0, "n": n})
+        await next_turn()
+        msg = decode(1, net.sent[2][1])
+        assert msg.replies == ((11, {"code": 0, "n": 1}), (13, {"code": 0, "n": 3}))
+        assert len(net.sent) == 3
+
+    run(main())
+
+
+def test_answers_over_the_frame_limit_go_one_by_one_and_a_gone_slave_gets_none():
+    async def main():
+        fwd, net = make(up=(2,), node_id=1)
+        net.max_requests = 1
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=1, requests=(
+            {"n": 0}, {"n": 1})), lambda req, now, respond, s: respond({"code": 0, **req}))
+        await next_turn()
+        assert [type(decode(1, w)) for _, w in net.sent] == [ForwardReply, ForwardReply]
+        net.sent.clear()
+        held: list = []
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=3, requests=(
+            {"n": 0},)), lambda req, now, respond, s: held.append(respond))
+        held[0]({"code": 0})
+        fwd.link_down(2)  # the slave is gone before the turn ended: nothing to send
+        await next_turn()
+        assert net.sent == []
+
+    run(main())
+
+
+def test_a_waiting_request_in_a_batch_can_be_cancelled():
+    async def main():
+        fwd, net = make(up=(2,), node_id=1)
+        sessions: list[Session] = []
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=20, requests=(
+            {"action": 2, "queue": "q"}, {"action": 2, "queue": "q", "wait": 3})),
+            lambda req, now, respond, session: sessions.append(session))
+        assert sessions[0] is None and isinstance(sessions[1], Session)
+        fwd.on_cancel(2, ForwardCancel(vote_id=7, node_id=2, request_id=21))
+        assert sessions[1].closed
 
     run(main())

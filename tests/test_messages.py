@@ -7,9 +7,13 @@ import msgpack
 import pytest
 
 from qserver.engines.messages import (
+    FEATURES,
     MAX_JSON_DEPTH,
+    Features,
     Forward,
+    ForwardBatch,
     ForwardCancel,
+    ForwardReplies,
     ForwardReply,
     Hello,
     Ping,
@@ -52,6 +56,11 @@ MESSAGES = [
     ForwardReply(vote_id=2, node_id=1, request_id=9, response={
         "code": 0, "messages": [{"queue": "a", "msg_id": 1, "data": "x", "deliveries": 2,
                                  "receipt": "2.1.2"}]}),
+    Features(vote_id=2, node_id=3, features=FEATURES),
+    ForwardBatch(vote_id=2, node_id=3, first_id=10, requests=(
+        {"action": 1, "queue": "q", "data": "x"}, {"action": 3, "queue": "q", "msg_id": 4})),
+    ForwardReplies(vote_id=2, node_id=1, replies=(
+        (11, {"code": 0, "found": True}), (10, {"code": 0, "msg_id": 7, "l": [1, None]}))),
 ]
 
 
@@ -109,3 +118,25 @@ def test_malformed_forward_cancel_is_refused(wire):
 def test_forward_cancel_in_another_nodes_name_is_dropped():
     reason = message_from_peer(2, [13, 2, 3, 8])
     assert isinstance(reason, str) and "dropped" in reason
+
+
+def test_features_of_a_later_release_keep_what_this_one_knows():
+    assert message_from_wire([15, 2, 3, 1, "more", 9]) == Features(vote_id=2, node_id=3,
+                                                                  features=1)
+
+
+@pytest.mark.parametrize("wire, problem", [
+    ([15, 2, 3], "unknown message"), ([15, 2, 3, -1], "features"),
+    ([15, 2, 3, "1"], "features"),
+    ([16, 2, 3, 1, []], "non-empty list"), ([16, 2, 3, 1, {"a": 1}], "non-empty list"),
+    ([16, 2, 3, -1, [{}]], "first_id"), ([16, 2, 3, 1, [{}, b"x"]], "forwarded request"),
+    ([16, 2, 3, 1, [{"d": b"x"}]], "forwarded request holds a bytes"),
+    ([16, 2, 3, 1, [{}], 0], "unknown message"),
+    ([17, 2, 3, []], "pairs"), ([17, 2, 3, [1]], "pairs"), ([17, 2, 3, [1, {}, 2]], "pairs"),
+    ([17, 2, 3, [-1, {}]], "request_id"), ([17, 2, 3, [1, "x"]], "forwarded response"),
+    ([17, 2, 3, [1, {1: 2}]], "forwarded response has a key"), ([17, 2, 3, {1: {}}], "pairs"),
+])
+def test_malformed_batches_and_features_are_refused(wire, problem):
+    with pytest.raises(ValueError, match=problem):
+        message_from_wire(wire)
+    assert isinstance(message_from_peer(3, wire), str)

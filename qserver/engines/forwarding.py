@@ -13,6 +13,19 @@ Master side: `serve(peer_id, msg, handler)` hands the request to the
 node's service (the engine's `handle_forwarded`, set by the node) and sends
 its answer back to the slave that asked.
 
+Batches. The requests a slave relays in one loop turn go to the master as
+one `ForwardBatch`, and the answers the master gives in one turn to the
+requests of a batch go back as one `ForwardReplies`: a message, a frame
+and a write per turn and direction instead of one per request. A slave
+batches only for a master whose `Features` (sent by each side when a link
+comes up) say it takes them; a node of an earlier release sends none, so
+it gets and answers single `Forward`s as before. A batch holds at most
+BATCH_MAX_REQUESTS requests, about BATCH_MAX_BYTES of their data, and a
+consume that may wait goes alone (it may be cancelled). A batch that
+cannot go as one frame (over the size limit) goes as single forwards; one
+whose link is gone by the end of the turn fails with "no leader" (the
+master never saw it).
+
 A request that may wait on the master (a consume with `wait`) gets a
 `Session` there, as a client connection has: if the slave's client goes,
 the slave's `forward` returns a cancel that sends a `ForwardCancel`, and
@@ -31,13 +44,27 @@ from collections.abc import Callable
 
 from ..wire.codec import error_response
 from .base import FORWARD_TIMEOUT_S, Cancel, ForwardedHandler, Respond, Session
-from .messages import Forward, ForwardCancel, ForwardReply, message_to_wire
+from .messages import (
+    FEATURE_FORWARD_BATCH,
+    FEATURES,
+    Features,
+    Forward,
+    ForwardBatch,
+    ForwardCancel,
+    ForwardReplies,
+    ForwardReply,
+    message_to_wire,
+)
 from .peers import PeerNetwork
 
-__all__ = ["Forwarder", "FORWARD_TIMEOUT_S", "wall_ms"]
+__all__ = ["Forwarder", "FORWARD_TIMEOUT_S", "wall_ms", "BATCH_MAX_REQUESTS",
+           "BATCH_MAX_BYTES"]
 
-
-
+# A ForwardBatch goes once it holds this many requests, or this many bytes
+# of their `data` strings (a rough measure of the frame, well under the
+# link's MAX_FRAME_BYTES), if the loop turn has not ended first.
+BATCH_MAX_REQUESTS = 64
+BATCH_MAX_BYTES = 1024 * 1024
 
 def wall_ms() -> int:
     """Unix time in ms: what the store's decisions (ready times, ttls) are
@@ -79,6 +106,33 @@ class Forwarder:
         # (slave, its request_id) -> the session of a request served here
         # that may wait (a consume with `wait`), until it is answered
         self._served: dict[tuple[int, int], Session] = {}
+        # Batches (see the module docstring). The peers whose Features say
+        # they take a ForwardBatch; this turn's batch for each master, not
+        # yet sent: [first request_id, requests, bytes of their data]; this
+        # turn's answers for each slave that sent batches, not yet sent:
+        # [request_id, response, request_id, response, ...].
+        self._batching: set[int] = set()
+        self._outbox: dict[int, list] = {}
+        self._replies: dict[int, list] = {}
+        self._flush_handle: asyncio.Handle | None = None
+
+    # -- what each side takes ----------------------------------------------------
+
+    def link_up(self, peer_id: int) -> None:
+        """A link to `peer_id` came up: tell it what we take, and send it
+        nothing new until it has told us the same."""
+        self._batching.discard(peer_id)
+        self.net.send(peer_id, message_to_wire(Features(
+            vote_id=self._vote_id(), node_id=self.node_id, features=FEATURES)))
+
+    def on_features(self, peer_id: int, msg: Features) -> None:
+        """The peer told us what it takes."""
+        if msg.features & FEATURE_FORWARD_BATCH:
+            self._batching.add(peer_id)
+        else:
+            self._batching.discard(peer_id)
+
+    # -- slave side ----------------------------------------------------------
 
     def forward(self, leader_id: int, request: dict, respond: Respond,
                 timeout_s: float | None = None) -> Cancel | None:
@@ -88,31 +142,87 @@ class Forwarder:
         calling `respond`, if the link to the master is down."""
         if not self.net.connected(leader_id):
             return None
-        request_id = self._next_id
-        self._next_id += 1
-        msg = Forward(vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id,
-                      request=request)
-        if not self.net.send(leader_id, message_to_wire(msg)):
-            return None
+        default_timeout = timeout_s is None or timeout_s == FORWARD_TIMEOUT_S
+        box = self._outbox.get(leader_id)
+        if default_timeout and leader_id in self._batching:
+            request_id = self._next_id
+            self._next_id += 1
+            if box is None:
+                box = self._outbox[leader_id] = [request_id, [request], 0]
+                if self._flush_handle is None:
+                    self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            else:
+                box[1].append(request)
+            data = request.get("data")
+            if type(data) is str:
+                box[2] += len(data)
+            full = len(box[1]) >= BATCH_MAX_REQUESTS or box[2] >= BATCH_MAX_BYTES
+        else:
+            full = False
+            if box is not None:  # what was relayed before it goes first
+                self._send_batch(leader_id)
+            request_id = self._next_id
+            self._next_id += 1
+            msg = Forward(vote_id=self._vote_id(), node_id=self.node_id,
+                          request_id=request_id, request=request)
+            if not self.net.send(leader_id, message_to_wire(msg)):
+                return None
         pending = self._pending
         pending[request_id] = (respond, leader_id, request)
-        if timeout_s is None or timeout_s == FORWARD_TIMEOUT_S:
+        if default_timeout:
             deadlines = self._deadlines
             while deadlines and deadlines[0][1] not in pending:  # answered: drop
                 deadlines.popleft()
             deadline = time.monotonic() + FORWARD_TIMEOUT_S
             deadlines.append((deadline, request_id))
         else:
+            assert timeout_s is not None  # not default_timeout
             deadline = time.monotonic() + timeout_s
             heapq.heappush(self._other_deadlines, (deadline, request_id))
         if self._timer is None or deadline < self._timer_at:
             self._arm(deadline)
+        if full:  # it goes now, this request with it
+            self._send_batch(leader_id)
 
         def cancel() -> None:
             if self._pending.pop(request_id, None) is not None:
+                if leader_id in self._outbox:  # the request first, then its cancel
+                    self._send_batch(leader_id)
                 self.net.send(leader_id, message_to_wire(ForwardCancel(
                     vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id)))
         return cancel
+
+    def _flush(self) -> None:
+        """The end of the loop turn: send its batches and its answers."""
+        self._flush_handle = None
+        flush = self.net.flush
+        for leader_id in list(self._outbox):
+            self._send_batch(leader_id)
+            flush(leader_id)
+        for slave_id in list(self._replies):
+            self._send_replies(slave_id)
+            flush(slave_id)
+
+    def _send_batch(self, leader_id: int) -> None:
+        first, requests, _ = self._outbox.pop(leader_id)
+        net = self.net
+        vote_id = self._vote_id()
+        if len(requests) == 1:
+            wire = message_to_wire(Forward(vote_id=vote_id, node_id=self.node_id,
+                                           request_id=first, request=requests[0]))
+        else:
+            wire = message_to_wire(ForwardBatch(vote_id=vote_id, node_id=self.node_id,
+                                                first_id=first, requests=tuple(requests)))
+        if net.send(leader_id, wire):
+            return
+        for i, request in enumerate(requests):
+            # Over the frame limit together (the link is still up): one by
+            # one. Otherwise the master never saw them.
+            if len(requests) == 1 or not net.connected(leader_id) or not net.send(
+                    leader_id, message_to_wire(Forward(
+                        vote_id=vote_id, node_id=self.node_id, request_id=first + i,
+                        request=request))):
+                self._fail(first + i, NO_LEADER)
 
     def _arm(self, deadline: float) -> None:
         if self._timer is not None:
@@ -145,26 +255,82 @@ class Forwarder:
         if pending is not None:
             pending[0](msg.response)
 
+    def on_replies(self, msg: ForwardReplies) -> None:
+        """The master answered requests of our batches."""
+        pop = self._pending.pop
+        for request_id, response in msg.replies:
+            pending = pop(request_id, None)
+            if pending is not None:
+                pending[0](response)
+
+    # -- master side ---------------------------------------------------------
+
     def serve(self, peer_id: int, msg: Forward, handler: ForwardedHandler | None) -> None:
         """A slave forwarded a client request to us: answer it through
         `handler` (the service; None before the node set it), and send the
         answer back."""
+        def reply(request_id: int, response: dict) -> None:
+            self.net.send(peer_id, message_to_wire(ForwardReply(
+                vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id,
+                response=response)))
+        self._serve_one(peer_id, msg.request_id, msg.request, handler, reply, wall_ms())
+
+    def serve_batch(self, peer_id: int, msg: ForwardBatch,
+                    handler: ForwardedHandler | None) -> None:
+        """A slave forwarded a batch: as `serve` for each request; the
+        answers of a turn go back together, as one ForwardReplies."""
+        replies = self._replies
+
+        def reply(request_id: int, response: dict) -> None:
+            out = replies.get(peer_id)
+            if out is None:
+                out = replies[peer_id] = []
+                if self._flush_handle is None:
+                    self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            out.append(request_id)
+            out.append(response)
+            if len(out) >= 2 * BATCH_MAX_REQUESTS:
+                self._send_replies(peer_id)
+
+        now = wall_ms()
+        request_id = msg.first_id
+        for request in msg.requests:
+            self._serve_one(peer_id, request_id, request, handler, reply, now)
+            request_id += 1
+
+    def _serve_one(self, peer_id: int, request_id: int, request: dict,
+                   handler: ForwardedHandler | None,
+                   reply: Callable[[int, dict], None], now: int) -> None:
         session: Session | None = None
-        key = (peer_id, msg.request_id)
-        if msg.request.get("wait"):  # it may park: the slave may cancel it
+        key = (peer_id, request_id)
+        if request.get("wait"):  # it may park: the slave may cancel it
             session = self._served[key] = Session()
 
         def respond(response: dict) -> None:
             if session is not None:
                 self._served.pop(key, None)
-            reply = ForwardReply(vote_id=self._vote_id(), node_id=self.node_id,
-                                 request_id=msg.request_id, response=response)
-            self.net.send(peer_id, message_to_wire(reply))
+            reply(request_id, response)
 
         if handler is None:
             respond({"code": -1, "reason": NO_LEADER})
             return
-        handler(msg.request, wall_ms(), respond, session)
+        handler(request, now, respond, session)
+
+    def _send_replies(self, slave_id: int) -> None:
+        flat = self._replies.pop(slave_id)
+        net = self.net
+        vote_id = self._vote_id()
+        it = iter(flat)
+        pairs = tuple(zip(it, it))
+        if net.send(slave_id, message_to_wire(ForwardReplies(
+                vote_id=vote_id, node_id=self.node_id, replies=pairs))):
+            return
+        if len(pairs) > 1 and net.connected(slave_id):  # over the frame limit together
+            for request_id, response in pairs:
+                net.send(slave_id, message_to_wire(ForwardReply(
+                    vote_id=vote_id, node_id=self.node_id, request_id=request_id,
+                    response=response)))
+        # otherwise the link is gone: the slave fails them (link_down, timeout)
 
     def on_cancel(self, peer_id: int, msg: ForwardCancel) -> None:
         """The slave's client went: drop what its request waits for."""
@@ -175,6 +341,12 @@ class Forwarder:
     def link_down(self, peer_id: int) -> None:
         """The link to `peer_id` broke: the requests forwarded to it will not
         be answered."""
+        self._batching.discard(peer_id)
+        box = self._outbox.pop(peer_id, None)
+        if box is not None:  # never sent: the master never saw them
+            for request_id in range(box[0], box[0] + len(box[1])):
+                self._fail(request_id, NO_LEADER)
+        self._replies.pop(peer_id, None)  # cannot reach the slave: it fails them
         for request_id, (_, target, _) in list(self._pending.items()):
             if target == peer_id:
                 self._fail(request_id, MASTER_UNREACHABLE)
@@ -186,6 +358,11 @@ class Forwarder:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._outbox.clear()  # their requests fail just below
+        self._replies.clear()
         for request_id in list(self._pending):
             self._fail(request_id, SHUTTING_DOWN)
         served = list(self._served.values())

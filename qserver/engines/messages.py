@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Hello", "Ping", "VoteRequest", "VoteReply", "Push", "PushReply", "Pull", "Snapshot",
     "SnapshotChunk", "SnapshotAck", "Forward", "ForwardReply", "ForwardCancel", "TimeoutNow",
+    "Features", "ForwardBatch", "ForwardReplies", "FEATURE_FORWARD_BATCH", "FEATURES",
     "Message",
     "message_to_wire", "message_from_wire", "message_from_peer",
 ]
@@ -211,8 +212,51 @@ class TimeoutNow:
     last_trans_id: int
 
 
+# Features: what this release understands beyond the first release's
+# messages, as bits of `Features.features`.
+FEATURE_FORWARD_BATCH = 1  # ForwardBatch, answered by ForwardReplies
+FEATURES = FEATURE_FORWARD_BATCH
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Features:
+    """Sent when a link comes up, by the release that added it: what the
+    sender understands beyond the first release's messages (FEATURE_* bits),
+    so that its peer sends it those only. A node of an earlier release
+    drops it as an unknown message (and logs it), never sends one, and so
+    is never sent anything it does not know."""
+
+    vote_id: int
+    node_id: int
+    features: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardBatch:
+    """The client requests a slave relays to the master in one loop turn,
+    as one message (to a master whose Features include
+    FEATURE_FORWARD_BATCH): requests[i] has request_id first_id + i. The
+    master answers them with ForwardReplies."""
+
+    vote_id: int
+    node_id: int
+    first_id: int
+    requests: tuple[dict[str, Any], ...]  # the clients' JSON objects
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardReplies:
+    """The master's answers, in one message, to the requests of a slave's
+    ForwardBatch answered in one loop turn: (request_id, response) pairs."""
+
+    vote_id: int
+    node_id: int
+    replies: tuple[tuple[int, dict[str, Any]], ...]
+
+
 Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Snapshot
-           | SnapshotChunk | SnapshotAck | Forward | ForwardReply | ForwardCancel | TimeoutNow)
+           | SnapshotChunk | SnapshotAck | Forward | ForwardReply | ForwardCancel | TimeoutNow
+           | Features | ForwardBatch | ForwardReplies)
 
 
 def message_to_wire(msg: Message) -> list[Any]:
@@ -244,6 +288,13 @@ def message_to_wire(msg: Message) -> list[Any]:
         return [8, msg.vote_id, msg.node_id, msg.request_id, msg.request]
     if type(msg) is ForwardReply:
         return [9, msg.vote_id, msg.node_id, msg.request_id, msg.response]
+    if type(msg) is ForwardBatch:
+        return [16, msg.vote_id, msg.node_id, msg.first_id, list(msg.requests)]
+    if type(msg) is ForwardReplies:  # flat: request_id, response, request_id, ...
+        return [17, msg.vote_id, msg.node_id,
+                [x for pair in msg.replies for x in pair]]
+    if type(msg) is Features:
+        return [15, msg.vote_id, msg.node_id, msg.features]
     if type(msg) is SnapshotChunk:
         return [11, msg.vote_id, msg.node_id, msg.trans_id, msg.log_vote_id, msg.offset,
                 msg.data, msg.last]
@@ -355,6 +406,22 @@ def message_from_wire(obj: object) -> Message:
     if tag == 9 and n == 5:
         return ForwardReply(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
                             response=_json_map(obj[4], "forwarded response"))
+    if tag == 16 and n == 5:
+        requests = obj[4]
+        if not isinstance(requests, (list, tuple)) or not requests:
+            raise ValueError("forward batch requests must be a non-empty list")
+        return ForwardBatch(vote_id=vote_id, node_id=node_id, first_id=_n(obj[3], "first_id"),
+                            requests=tuple(_json_map(r, "forwarded request") for r in requests))
+    if tag == 17 and n == 4:
+        flat = obj[3]
+        if not isinstance(flat, (list, tuple)) or not flat or len(flat) % 2:
+            raise ValueError("forward replies must be a non-empty list of id, answer pairs")
+        it = iter(flat)
+        return ForwardReplies(vote_id=vote_id, node_id=node_id, replies=tuple(
+            (_n(request_id, "request_id"), _json_map(response, "forwarded response"))
+            for request_id, response in zip(it, it)))
+    if tag == 15 and n >= 4:  # more fields: a later release's, ignored
+        return Features(vote_id=vote_id, node_id=node_id, features=_n(obj[3], "features"))
     if tag == 11 and n == 8:
         if type(obj[6]) is not bytes:
             raise ValueError("snapshot chunk data must be bytes")

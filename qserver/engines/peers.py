@@ -799,6 +799,16 @@ class PeerNetwork:
             return False
         return link.write_frame(body)
 
+    def flush(self, peer_id: int) -> None:
+        """Hand what is queued for `peer_id` to its transport now, not at
+        the end of the turn: for a caller that itself runs at the end of
+        the turn (a callback of call_soon), whose sends would otherwise
+        wait for one more turn of the loop."""
+        link = self._current.get(peer_id)
+        if link is not None and link.flush_handle is not None:
+            link.flush_handle.cancel()
+            link._flush()
+
     def connected(self, peer_id: int) -> bool:
         """Whether an authenticated link to `peer_id` is up."""
         return peer_id in self._current

@@ -93,8 +93,11 @@ from ..base import (
 )
 from ..forwarding import Forwarder
 from ..messages import (
+    Features,
     Forward,
+    ForwardBatch,
     ForwardCancel,
+    ForwardReplies,
     ForwardReply,
     Message,
     Push,
@@ -408,14 +411,20 @@ class ClusterEngine:
             log.warning("node %d: %s", self.config.node_id, msg)
             return
         # `type(msg) is C` written out each time: mypy narrows `msg` on it.
+        if type(msg) is ForwardBatch:
+            self._forwarding().serve_batch(peer_id, msg, self._forwarded_handler())
+            return
+        if type(msg) is ForwardReplies:
+            self._forwarding().on_replies(msg)
+            return
         if type(msg) is Forward:
-            handler = self.handle_forwarded
-            if handler is not None and self.storage is not None and self._fast_ok:
-                handler = self._held_forwarded(handler)
-            self._forwarding().serve(peer_id, msg, handler)
+            self._forwarding().serve(peer_id, msg, self._forwarded_handler())
             return
         if type(msg) is ForwardReply:
             self._forwarding().on_reply(msg)
+            return
+        if type(msg) is Features:
+            self._forwarding().on_features(peer_id, msg)
             return
         if type(msg) is ForwardCancel:
             self._forwarding().on_cancel(peer_id, msg)
@@ -443,6 +452,12 @@ class ClusterEngine:
                 msg = dataclasses.replace(msg, records=())
         self._step_now(msg)
 
+    def _forwarded_handler(self) -> ForwardedHandler | None:
+        handler = self.handle_forwarded
+        if handler is not None and self.storage is not None and self._fast_ok:
+            handler = self._held_forwarded(handler)
+        return handler
+
     def _held_forwarded(self, handler: ForwardedHandler) -> ForwardedHandler:
         """`handler` whose answers wait, as the client protocols' do, while
         this turn's records of commit_now are unwritten (`holding`): the
@@ -469,6 +484,7 @@ class ClusterEngine:
     def _on_link(self, peer_id: int, up: bool) -> None:
         if up:
             self.core.link_up(peer_id)
+            self._forwarding().link_up(peer_id)
             self._schedule_flush()
         else:
             self._forwarding().link_down(peer_id)

@@ -99,8 +99,11 @@ from ..base import (
 )
 from ..forwarding import Forwarder
 from ..messages import (
+    Features,
     Forward,
+    ForwardBatch,
     ForwardCancel,
+    ForwardReplies,
     ForwardReply,
     Hello,
     message_from_peer,
@@ -792,6 +795,7 @@ class RaftEngine:
             net.send(peer_id, message_to_wire(Hello(
                 vote_id=self._term(), node_id=self.config.node_id,
                 client_host=self.config.client_host, client_port=self.config.port)))
+            forwarder.link_up(peer_id)
         else:
             forwarder.link_down(peer_id)
 
@@ -805,10 +809,16 @@ class RaftEngine:
         elif isinstance(msg, Hello):
             self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
                                                 port=msg.client_port)
+        elif isinstance(msg, ForwardBatch):
+            forwarder.serve_batch(peer_id, msg, self.handle_forwarded)
+        elif isinstance(msg, ForwardReplies):
+            forwarder.on_replies(msg)
         elif isinstance(msg, Forward):
             forwarder.serve(peer_id, msg, self.handle_forwarded)
         elif isinstance(msg, ForwardReply):
             forwarder.on_reply(msg)
+        elif isinstance(msg, Features):
+            forwarder.on_features(peer_id, msg)
         elif isinstance(msg, ForwardCancel):
             forwarder.on_cancel(peer_id, msg)
         # Anything else is the native engine's: not ours to act on.
