@@ -10,7 +10,7 @@ import pytest
 
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Push, PushReply
-from qserver.engines.native.core import PUSH_AT_ONCE_RECORDS, NativeCore
+from qserver.engines.native.core import PUSH_AT_ONCE_RECORDS, SPARE_PUSH_MS, NativeCore
 from qserver.errors import InvariantError
 from qserver.state.entries import Produce
 from qserver.state.log import Log
@@ -116,10 +116,100 @@ def test_many_records_are_pushed_at_once_whatever_the_interval():
     assert len(pushes(m.take_ready(t + 1))) == 2
 
 
-def test_quorum_mode_never_coalesces():
+def test_quorum_mode_never_coalesces_for_the_slaves_a_commit_needs():
     m = master_of_three(async_mode=False, push_interval_ms=5)
     answers: list = []
     t = NOW + 1000
     for i in range(3):
         m.propose(entry(m, f"q{i}"), lambda result, error: answers.append(error))
-        assert len(pushes(m.take_ready(t))) == 2  # every turn's records, at once
+        got = pushes(m.take_ready(t))
+        # every turn's records, at once, to one slave (a commit needs one);
+        # the spare one had them at the first turn, and then waits
+        assert [to for to, _ in got] == ([2, 3] if i == 0 else [2])
+
+
+# -- quorum mode: quorum - 1 slaves get every turn's push, the spare ones less often
+
+
+def acked(m: NativeCore, node_id: int, t: int) -> None:
+    """Node `node_id` answers the pushes so far: it holds everything."""
+    m.step(PushReply(vote_id=m.vote_id, node_id=node_id, match_id=m.log.last_trans_id), t)
+
+
+def test_a_spare_slave_gets_new_records_every_spare_push_ms_and_they_commit():
+    m = master_of_three()
+    t = NOW + 10
+    m.tick(t)  # heartbeats sent: the next is due in heartbeat_ms
+    acked(m, 2, t)
+    acked(m, 3, t)
+    done: list = []
+    m.propose(entry(m, "a"), lambda result, error: done.append(error))
+    assert [to for to, _ in pushes(m.take_ready(t))] == [2, 3]  # the spare's first in a while
+    for i in range(3):
+        m.propose(entry(m, f"b{i}"), lambda result, error: done.append(error))
+        assert [to for to, _ in pushes(m.take_ready(t + 1))] == [2]
+    assert m.next_deadline() == t + SPARE_PUSH_MS  # the timer wakes us for the spare
+    got = pushes(m.take_ready(t + SPARE_PUSH_MS))
+    assert [(to, [r.trans_id for r in p.records]) for to, p in got] == [(3, [3, 4, 5])]
+    # the spare's answer alone commits them, as a slave's does
+    acked(m, 3, t + SPARE_PUSH_MS)
+    for answer in m.take_ready(t + SPARE_PUSH_MS).answers:
+        answer()
+    assert m.commit_id == 5 and done == [None] * 4
+    assert m.next_deadline() > t + SPARE_PUSH_MS  # nothing more held for it
+
+
+def test_a_spare_slave_takes_the_place_of_one_that_stops_answering():
+    m = master_of_three()
+    t = NOW + 10
+    acked(m, 2, t)
+    acked(m, 3, t)
+    m.propose(entry(m, "a"), lambda result, error: None)
+    m.take_ready(t)
+    t2 = t + 1000  # node 2 went silent; node 3 still answers
+    acked(m, 3, t2)
+    m.propose(entry(m, "b"), lambda result, error: None)
+    m.propose(entry(m, "c"), lambda result, error: None)
+    # node 3 now gets every turn's records; node 2 is the spare one (whose
+    # first push in a while goes at once)
+    assert [to for to, _ in pushes(m.take_ready(t2))] == [2, 3]
+    m.propose(entry(m, "d"), lambda result, error: None)
+    assert [to for to, _ in pushes(m.take_ready(t2 + 1))] == [3]
+
+
+def test_many_records_go_to_a_spare_slave_at_once():
+    m = master_of_three()
+    t = NOW + 10
+    acked(m, 2, t)
+    acked(m, 3, t)
+    m.propose(entry(m, "a"), lambda result, error: None)
+    m.take_ready(t)
+    for i in range(PUSH_AT_ONCE_RECORDS):
+        m.propose(entry(m, f"c{i}"), lambda result, error: None)
+    assert [to for to, _ in pushes(m.take_ready(t + 1))] == [2, 3]
+
+
+def test_five_nodes_push_every_turn_to_two_slaves():
+    m = core(1, [1, 2, 3, 4, 5])
+    m.vote_id = 1
+    m._become_master(NOW)
+    m.take_ready(NOW)
+    t = NOW + 10
+    for p in (2, 3, 4, 5):
+        acked(m, p, t)
+    m.propose(entry(m, "a"), lambda result, error: None)
+    assert len(pushes(m.take_ready(t))) == 4
+    m.propose(entry(m, "b"), lambda result, error: None)
+    assert [to for to, _ in pushes(m.take_ready(t + 1))] == [2, 3]
+
+
+def test_a_deferred_sync_pushes_every_turn_to_every_slave():
+    # fsync=always: the master's own fsync may wait only while the slaves
+    # alone hold a majority of everything, so none of them is spared
+    m = master_of_three(deferred=True)
+    t = NOW + 10
+    acked(m, 2, t)
+    acked(m, 3, t)
+    for i in range(3):
+        m.propose(entry(m, f"q{i}"), lambda result, error: None)
+        assert [to for to, _ in pushes(m.take_ready(t + i))] == [2, 3]

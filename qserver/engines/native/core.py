@@ -34,7 +34,10 @@ record until the entry commits, so that the next decision sees it. Everything
 appended in one turn is pushed as one `Push` to each slave that is in step,
 with the position of the entry before it (in async mode, where no client
 waits for a push, the records of several turns may go together: at most
-one push of new records per `push_interval_ms`). A slave whose log continues at that
+one push of new records per `push_interval_ms`; in quorum mode, where a
+commit needs quorum - 1 slaves, the spare slaves beyond those that keep up
+get the new records every SPARE_PUSH_MS, which spares them and the master a
+message and a wake-up per turn). A slave whose log continues at that
 position appends (replacing any conflicting uncommitted suffix) and answers
 `PushReply(match_id)`. Otherwise it ignores the batch and sends `Pull` with
 a position of its log; the master answers with the records after the last
@@ -175,6 +178,10 @@ MAX_BATCH_BYTES = 8 * 1024 * 1024
 # Async mode with coalesced pushes (push_interval_ms): this many new records
 # are pushed at once, whatever the interval.
 PUSH_AT_ONCE_RECORDS = 500
+# Quorum mode: the slaves beyond the quorum - 1 that get every turn's push
+# (the spare ones) get new records at most this often, or once
+# PUSH_AT_ONCE_RECORDS wait for them.
+SPARE_PUSH_MS = 2
 
 
 def _within_bytes(records: Sequence[Record]) -> int:
@@ -243,7 +250,7 @@ class _Peer:
     """What the master (and everyone) knows about one other node."""
 
     __slots__ = ("node_id", "heard_ms", "sent_upto", "match_id", "acked_ms", "tokens",
-                 "client", "pending_pull", "round_sent", "read_acked")
+                 "client", "pending_pull", "round_sent", "read_acked", "spare")
 
     def __init__(self, node_id: int) -> None:
         self.node_id = node_id
@@ -256,6 +263,10 @@ class _Peer:
         self.pending_pull: Pull | None = None  # master: a pull waiting for budget
         self.round_sent = 0  # master: read_round of the last push sent to it
         self.read_acked = 0  # master: highest read_round it echoed in this epoch
+        # master, quorum mode: a spare slave, which follows our pushes but
+        # gets new records only every SPARE_PUSH_MS (its sent_upto may be
+        # behind pushed_upto)
+        self.spare = False
 
 
 class _Transfer:
@@ -318,6 +329,14 @@ class NativeCore:
         # or once PUSH_AT_ONCE_RECORDS wait; 0 pushes every turn's records.
         self.push_interval_ms = push_interval_ms if async_mode else 0
         self.push_due_ms = 0  # master: when new records may be pushed next
+        # Quorum mode: a commit needs quorum - 1 slaves, so only that many
+        # (those that keep up) get every turn's records at once; the spare
+        # ones get them every SPARE_PUSH_MS (see _push_new). Not with a
+        # deferred sync, whose own fsync may wait only while a majority of
+        # slaves has everything.
+        self.spare_pushes = not async_mode and not deferred_sync
+        self.spare_due_ms = 0  # master: when the spare slaves may be pushed next
+        self.spares_behind = False  # master: a spare slave lacks records pushed to others
         self.last_pull: tuple[int, int] | None = None  # (trans_id, vote_id) of our last pull
         self.pull_due_ms = 0
         self.heartbeat_due_ms = now_ms
@@ -451,6 +470,8 @@ class NativeCore:
             due = self.heartbeat_due_ms
             if self.push_interval_ms and self.log.last_trans_id > self.pushed_upto:
                 due = min(due, self.push_due_ms)
+            if self.spares_behind:
+                due = min(due, self.spare_due_ms)
             if any(p.pending_pull for p in self.peers.values()):
                 due = min(due, self.refill_ms + 10)
             return due
@@ -470,8 +491,9 @@ class NativeCore:
                 self._maybe_hand_over(now_ms)
             unpushed = self.log.last_trans_id - self.pushed_upto
             if unpushed > 0 and (not self.push_interval_ms or now_ms >= self.push_due_ms
-                                 or unpushed >= PUSH_AT_ONCE_RECORDS):
-                self._push_new()
+                                 or unpushed >= PUSH_AT_ONCE_RECORDS) or (
+                    self.spares_behind and now_ms >= self.spare_due_ms):
+                self._push_new(now_ms)
                 self.push_due_ms = now_ms + self.push_interval_ms
             if self.reads and self.peers:
                 # Waiting reads need a push of the current round to everyone
@@ -878,6 +900,8 @@ class NativeCore:
             peer.tokens = float(self.sync_rate)
             peer.pending_pull = None
             peer.round_sent = peer.read_acked = 0  # echoes of another epoch vouch for nothing
+            peer.spare = False
+        self.spares_behind = False
         self.refill_ms = now_ms
         # Our decisions must see the whole log: apply what is not yet applied.
         while self.applied_id < last:
@@ -932,25 +956,57 @@ class NativeCore:
         peer.round_sent = self.read_round
         self.round_sent_any = True
 
-    def _push_new(self) -> None:
-        """Push everything appended since the last push to in-step slaves."""
+    def _push_new(self, now_ms: int) -> None:
+        """Push what they lack to the slaves that follow our pushes (in
+        step: everything up to pushed_upto was pushed to them; or spare):
+        everything appended since. In quorum mode only quorum - 1 of them
+        get it at once, those that keep up (answered within two heartbeats)
+        first, as a commit needs no more; the others (spare) get it
+        at most every SPARE_PUSH_MS, or once PUSH_AT_ONCE_RECORDS wait for
+        them. A spare slave's pushes still commit entries, and it takes an
+        eager one's place once that one stops answering. Slaves catching
+        up by pulls get nothing here."""
         start = self.pushed_upto
         last = self.log.last_trans_id
-        pushes: list[tuple[int, tuple[Record, ...]]] | None = None
-        for peer in self.peers.values():
-            if peer.sent_upto == start:
-                if pushes is None:  # one push, or several in order if they are large
-                    pushes = []
-                    pending = self.log.slice(start + 1, last - start)
-                    prev = start
-                    while pending:
-                        n = _within_bytes(pending)
-                        pushes.append((prev, tuple(pending[:n])))
-                        prev += n
-                        del pending[:n]
-                for prev, records in pushes:
-                    self._send_push(peer, prev, records)
-                peer.sent_upto = last
+        following = [p for p in self.peers.values() if p.sent_upto == start or p.spare]
+        eager = following
+        if self.spare_pushes and len(following) >= self.quorum:
+            horizon = now_ms - 2 * self.timing.heartbeat_ms
+            eager = ([p for p in following if p.acked_ms >= horizon]
+                     + [p for p in following if p.acked_ms < horizon])[:self.quorum - 1]
+        spare_now = now_ms >= self.spare_due_ms
+        pushes: dict[int, list[tuple[int, tuple[Record, ...]]]] = {}  # from -> pushes
+        behind = spared = False
+        for peer in following:
+            since = peer.sent_upto
+            if peer in eager:
+                peer.spare = False
+            else:
+                peer.spare = True
+                if since >= last:
+                    continue
+                if not spare_now and last - since < PUSH_AT_ONCE_RECORDS:
+                    behind = True
+                    continue
+                spared = True
+            if since >= last:
+                continue
+            batches = pushes.get(since)
+            if batches is None:  # one push, or several in order if they are large
+                batches = pushes[since] = []
+                pending = self.log.slice(since + 1, last - since)
+                prev = since
+                while pending:
+                    n = _within_bytes(pending)
+                    batches.append((prev, tuple(pending[:n])))
+                    prev += n
+                    del pending[:n]
+            for prev, records in batches:
+                self._send_push(peer, prev, records)
+            peer.sent_upto = last
+        if spared:
+            self.spare_due_ms = now_ms + SPARE_PUSH_MS
+        self.spares_behind = behind
         self.pushed_upto = last
 
     def _handle_push_reply(self, peer: _Peer, msg: PushReply, now_ms: int) -> None:
@@ -1010,6 +1066,7 @@ class NativeCore:
         peer.tokens -= len(records)
         self._send_push(peer, common, records)
         peer.sent_upto = common + len(records)
+        peer.spare = False  # catching up by pulls
 
     def _send_snapshot(self, peer: _Peer) -> None:
         """Send the state at our commit position (undoing and redoing our
@@ -1021,6 +1078,7 @@ class NativeCore:
                                      f"the newest snapshot {self.snapshot_id}")
             self.ready.snapshot_sends.append((peer.node_id, self.snapshot_id, self.snapshot_vote))
             peer.sent_upto = self.snapshot_id
+            peer.spare = False
             return
         trans_id = self.commit_id
         vote = self.log.vote_id_at(trans_id)
@@ -1039,6 +1097,7 @@ class NativeCore:
         self._send(peer.node_id, Snapshot(vote_id=self.vote_id, node_id=self.node_id,
                                           trans_id=trans_id, log_vote_id=vote, state=state))
         peer.sent_upto = trans_id
+        peer.spare = False
 
     def _maybe_commit(self) -> None:
         if self.role is not Role.MASTER:
@@ -1088,6 +1147,8 @@ class NativeCore:
             # are pushed from the log to the slaves in step, even once
             # a pull took them to another slave and they committed.
             upto = min(upto, self.pushed_upto)
+            if self.spares_behind:  # and those a spare slave still lacks
+                upto = min([upto] + [p.sent_upto for p in self.peers.values() if p.spare])
         if upto - self.log.base_trans_id >= COMPACT_SLACK:  # prefix drops in bulk only
             self.log.compact(self.log_size, upto)
 
