@@ -159,13 +159,20 @@ def test_a_spare_slave_gets_new_records_every_spare_push_ms_and_they_commit():
     assert m.next_deadline() > t + SPARE_PUSH_MS  # nothing more held for it
 
 
-def test_a_spare_slave_takes_the_place_of_one_that_stops_answering():
+def answered_master_of_three(t: int) -> NativeCore:
+    """A master of three whose slaves both answered at `t`, after a turn
+    whose record went to both (the spare one's first push in a while)."""
     m = master_of_three()
-    t = NOW + 10
     acked(m, 2, t)
     acked(m, 3, t)
     m.propose(entry(m, "a"), lambda result, error: None)
-    m.take_ready(t)
+    assert [to for to, _ in pushes(m.take_ready(t))] == [2, 3]
+    return m
+
+
+def test_a_spare_slave_takes_the_place_of_one_that_stops_answering():
+    t = NOW + 10
+    m = answered_master_of_three(t)
     t2 = t + 1000  # node 2 went silent; node 3 still answers
     acked(m, 3, t2)
     m.propose(entry(m, "b"), lambda result, error: None)
@@ -178,12 +185,8 @@ def test_a_spare_slave_takes_the_place_of_one_that_stops_answering():
 
 
 def test_many_records_go_to_a_spare_slave_at_once():
-    m = master_of_three()
     t = NOW + 10
-    acked(m, 2, t)
-    acked(m, 3, t)
-    m.propose(entry(m, "a"), lambda result, error: None)
-    m.take_ready(t)
+    m = answered_master_of_three(t)
     for i in range(PUSH_AT_ONCE_RECORDS):
         m.propose(entry(m, f"c{i}"), lambda result, error: None)
     assert [to for to, _ in pushes(m.take_ready(t + 1))] == [2, 3]
