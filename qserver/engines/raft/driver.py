@@ -342,7 +342,12 @@ class _QueueSync(RaftAppends):
             return
         if not sent and self._SyncObj__raftState == _LEADER:
             last = self._SyncObj__getCurrentLogIndex()
-            if (self._SyncObj__raftMatchIndex.get(node, 0) == last
+            # Nothing proposed before the transfer began is left in
+            # pysyncobj's command queue (a tick appends only what it has
+            # time for): appended after the TimeoutNow, it would make our
+            # log longer than the target's, and the voters would refuse it.
+            queued = self._SyncObj__commandsQueue._FastQueue__queue
+            if (not queued and self._SyncObj__raftMatchIndex.get(node, 0) == last
                     and self.raftCommitIndex == last):
                 # pysyncobj's own checks pass (it is leader, the target is
                 # caught up), on its thread: it sends TimeoutNow
