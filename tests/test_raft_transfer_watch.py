@@ -12,6 +12,7 @@ test_transfer_cluster.py and test_ops_cluster.py.
 from __future__ import annotations
 
 import pytest
+from pysyncobj.fast_queue import FastQueue
 
 from qserver.engines.raft import driver
 from qserver.engines.raft.driver import (
@@ -70,6 +71,7 @@ def leader_of_term_1(caught_up: bool = True):
     sync._SyncObj__raftCommitIndex = 10
     sync._SyncObj__raftMatchIndex = {target: 10 if caught_up else 7, other: 10}
     sync._SyncObj__getCurrentLogIndex = lambda: 10
+    sync._SyncObj__commandsQueue = FastQueue(0)  # pysyncobj's: proposed, not yet appended
     sync.sent = []
     sync.transferLeadership = sync.sent.append
     sync._engine = _Engine()
@@ -93,6 +95,19 @@ def test_timeout_now_goes_once_the_target_is_caught_up(clock):
     sync._transfer_tick()
     assert sync.sent == [target]
     sync._transfer_tick()  # sent once
+    assert sync.sent == [target]
+
+
+def test_no_timeout_now_while_proposed_commands_wait_to_be_appended(clock):
+    """A tick appends only what it has time for: a command proposed before
+    the transfer began and appended after the TimeoutNow would make the
+    leader's log longer than the target's, and the voters refuse it."""
+    sync, target, _ = leader_of_term_1()
+    sync._SyncObj__commandsQueue.put_nowait((b"cmd", None))
+    sync._transfer_tick()
+    assert sync.sent == []
+    sync._SyncObj__commandsQueue.get_nowait()  # appended (and replicated) by a tick
+    sync._transfer_tick()
     assert sync.sent == [target]
 
 
