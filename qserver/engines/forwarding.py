@@ -149,8 +149,7 @@ class Forwarder:
             self._next_id += 1
             if box is None:
                 box = self._outbox[leader_id] = [request_id, [request], 0]
-                if self._flush_handle is None:
-                    self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+                self._flush_at_turn_end()
             else:
                 box[1].append(request)
             data = request.get("data")
@@ -163,9 +162,7 @@ class Forwarder:
                 self._send_batch(leader_id)
             request_id = self._next_id
             self._next_id += 1
-            msg = Forward(vote_id=self._vote_id(), node_id=self.node_id,
-                          request_id=request_id, request=request)
-            if not self.net.send(leader_id, message_to_wire(msg)):
+            if not self._send_forward(leader_id, self._vote_id(), request_id, request):
                 return None
         pending = self._pending
         pending[request_id] = (respond, leader_id, request)
@@ -192,6 +189,10 @@ class Forwarder:
                     vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id)))
         return cancel
 
+    def _flush_at_turn_end(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
         """The end of the loop turn: send its batches and its answers."""
         self._flush_handle = None
@@ -208,21 +209,24 @@ class Forwarder:
         net = self.net
         vote_id = self._vote_id()
         if len(requests) == 1:
-            wire = message_to_wire(Forward(vote_id=vote_id, node_id=self.node_id,
-                                           request_id=first, request=requests[0]))
-        else:
-            wire = message_to_wire(ForwardBatch(vote_id=vote_id, node_id=self.node_id,
-                                                first_id=first, requests=tuple(requests)))
-        if net.send(leader_id, wire):
+            if not self._send_forward(leader_id, vote_id, first, requests[0]):
+                self._fail(first, NO_LEADER)  # the master never saw it
+            return
+        if net.send(leader_id, message_to_wire(ForwardBatch(
+                vote_id=vote_id, node_id=self.node_id, first_id=first,
+                requests=tuple(requests)))):
             return
         for i, request in enumerate(requests):
             # Over the frame limit together (the link is still up): one by
             # one. Otherwise the master never saw them.
-            if len(requests) == 1 or not net.connected(leader_id) or not net.send(
-                    leader_id, message_to_wire(Forward(
-                        vote_id=vote_id, node_id=self.node_id, request_id=first + i,
-                        request=request))):
+            if not net.connected(leader_id) or not self._send_forward(
+                    leader_id, vote_id, first + i, request):
                 self._fail(first + i, NO_LEADER)
+
+    def _send_forward(self, leader_id: int, vote_id: int, request_id: int,
+                      request: dict) -> bool:
+        return self.net.send(leader_id, message_to_wire(Forward(
+            vote_id=vote_id, node_id=self.node_id, request_id=request_id, request=request)))
 
     def _arm(self, deadline: float) -> None:
         if self._timer is not None:
@@ -270,9 +274,7 @@ class Forwarder:
         `handler` (the service; None before the node set it), and send the
         answer back."""
         def reply(request_id: int, response: dict) -> None:
-            self.net.send(peer_id, message_to_wire(ForwardReply(
-                vote_id=self._vote_id(), node_id=self.node_id, request_id=request_id,
-                response=response)))
+            self._send_reply(peer_id, self._vote_id(), request_id, response)
         self._serve_one(peer_id, msg.request_id, msg.request, handler, reply, wall_ms())
 
     def serve_batch(self, peer_id: int, msg: ForwardBatch,
@@ -285,8 +287,7 @@ class Forwarder:
             out = replies.get(peer_id)
             if out is None:
                 out = replies[peer_id] = []
-                if self._flush_handle is None:
-                    self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+                self._flush_at_turn_end()
             out.append(request_id)
             out.append(response)
             if len(out) >= 2 * BATCH_MAX_REQUESTS:
@@ -327,10 +328,13 @@ class Forwarder:
             return
         if len(pairs) > 1 and net.connected(slave_id):  # over the frame limit together
             for request_id, response in pairs:
-                net.send(slave_id, message_to_wire(ForwardReply(
-                    vote_id=vote_id, node_id=self.node_id, request_id=request_id,
-                    response=response)))
+                self._send_reply(slave_id, vote_id, request_id, response)
         # otherwise the link is gone: the slave fails them (link_down, timeout)
+
+    def _send_reply(self, slave_id: int, vote_id: int, request_id: int,
+                    response: dict) -> None:
+        self.net.send(slave_id, message_to_wire(ForwardReply(
+            vote_id=vote_id, node_id=self.node_id, request_id=request_id, response=response)))
 
     def on_cancel(self, peer_id: int, msg: ForwardCancel) -> None:
         """The slave's client went: drop what its request waits for."""
