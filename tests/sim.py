@@ -156,7 +156,11 @@ from qserver.engines.native import core as native
 from qserver.engines.native.core import NativeCore, Role, Timing
 from qserver.engines.native.driver import ASYNC_PUSH_INTERVAL_MS
 from qserver.engines.native.durability import BATCH_SYNC_MS
-from qserver.engines.native.snapshots import SNAPSHOT_STALL_S, SNAPSHOT_WINDOW_CHUNKS
+from qserver.engines.native.snapshots import (
+    SNAPSHOT_STALL_S,
+    SNAPSHOT_WINDOW_CHUNKS,
+    snapshot_due,
+)
 from qserver.service import EXPIRE_BATCH, EXPIRE_RETRY_MS
 from qserver.state.entries import (
     FINAL_EXPIRED,
@@ -284,6 +288,7 @@ class SimNode:
     batch_timer: bool = False  # the BATCH_SYNC_MS timer is armed
     sync_epoch: int = 0  # bumped by truncations and installs
     writer: int | None = None  # trans_id of the snapshot a forked writer is writing
+    snapshot_messages: int = 0  # messages the store held at the last fork (snapshot_due)
     outgoing: dict[int, _Stream] = field(default_factory=dict)  # snapshot streams, by slave
     incoming: list | None = None  # [source, trans_id, vote_id, chunks stored]
     # Files received since the last flush: (the loader stepped into the core
@@ -702,16 +707,18 @@ class Network:
 
     def _maybe_write(self, node: SimNode) -> None:
         """SnapshotFiles.maybe_write: once log_size entries were applied past
-        the newest snapshot, fork a writer. The child's copy of the core is
-        rolled back to the snapshot point with prepare_snapshot, as in
-        SnapshotFiles._fork_snapshot; the file is ready `snapshot_write_ms`
-        later."""
+        the newest snapshot (alone: see snapshot_due), fork a writer. The
+        child's copy of the core is rolled back to the snapshot point with
+        prepare_snapshot, as in SnapshotFiles._fork_snapshot; the file is
+        ready `snapshot_write_ms` later."""
         if not self.external_snapshots or node.writer is not None:
             return
         core = node.core
         trans_id, vote_id = core.snapshot_point()
-        if trans_id - core.snapshot_id < max(1, self.log_size):
+        if not snapshot_due(trans_id - core.snapshot_id, max(1, self.log_size), not core.peers,
+                            node.snapshot_messages):
             return
+        node.snapshot_messages = sum(len(queue) for queue in core.store.queues.values())
         # The fork: a copy of the store's memory and of the undo records,
         # which share objects with it (a clear's record holds the queue's
         # former containers) that the child's rollback changes; without the

@@ -2,11 +2,12 @@
 newest to a slave, receiving one from the master.
 
 Writing: once `log_size` entries have been applied since the newest
-snapshot, the node forks; the child rolls its copy of the store back to
-the last committed entry (a master applies ahead of the commit), writes it
-as a snapshot file (storage.disk.write_snapshot_file) and exits, while the
-node goes on serving: the pause is the fork itself (a few ms per GB of
-state; monitor shows it). The node then adopts the file (old segments and
+snapshot (a node alone: see `snapshot_due`), the node forks; the child
+rolls its copy of the store back to the last committed entry (a master
+applies ahead of the commit), writes it as a snapshot file
+(storage.disk.write_snapshot_file) and exits, while the node goes on
+serving: the pause is the fork itself (a few ms per GB of state; monitor
+shows it). The node then adopts the file (old segments and
 snapshots go) and the core may compact its in-memory log up to it.
 
 Streaming: a slave behind the master's log gets that file in
@@ -58,7 +59,8 @@ from ..base import JsonObject
 from ..messages import Message, Snapshot, SnapshotAck, SnapshotChunk
 from .core import NativeCore
 
-__all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS"]
+__all__ = ["SnapshotFiles", "SNAPSHOT_CHUNK_BYTES", "SNAPSHOT_WINDOW_CHUNKS",
+           "LONE_SNAPSHOT_MAX_LOGS", "snapshot_due"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,34 @@ SNAPSHOT_RETRY_S = 10.0
 
 # Linux prctl(PR_SET_PDEATHSIG): the snapshot child dies with the node.
 _PR_SET_PDEATHSIG = 1
+
+# A node alone waits for at most this many log_size runs of entries between
+# snapshots (see snapshot_due): it bounds the log that a restart replays.
+LONE_SNAPSHOT_MAX_LOGS = 4
+
+
+def snapshot_due(applied_since: int, log_size: int, alone: bool, last_messages: int) -> bool:
+    """Whether a node writes a snapshot now, `applied_since` entries after
+    its newest one, which held `last_messages` messages (0: none written
+    since the node started).
+
+    A cluster node: once log_size entries were applied. Its snapshot bounds
+    its in-memory log (compacted only up to the newest snapshot, which is
+    what a slave behind the log is sent).
+
+    A node alone keeps only a few records in memory whatever its snapshots;
+    they bound its restart (the log replayed after the newest) and the log's
+    disk space. Each one writes the whole store, so one every log_size
+    entries costs a store of N messages N / log_size message writes per
+    entry, in a child that takes a core for as long as it writes: with
+    a million messages and the default log_size, ten per produce, and the
+    next snapshot is due before the last is written. So alone, a node also
+    waits until the entries since its newest snapshot are as many as the
+    messages that snapshot held (at most one message written per entry),
+    but never more than LONE_SNAPSHOT_MAX_LOGS * log_size entries."""
+    if applied_since < log_size:
+        return False
+    return not alone or applied_since >= min(last_messages, LONE_SNAPSHOT_MAX_LOGS * log_size)
 
 
 class _Outgoing:
@@ -153,7 +183,11 @@ class SnapshotFiles:
         self.storage = storage
         self.node_id = node_id
         # entries applied since the newest snapshot that make us write one
+        # (alone: at least; see snapshot_due)
         self.snapshot_every = max(1, log_size)
+        # messages the store held when the newest snapshot of this run was
+        # forked (what it wrote, near enough; snapshot_due)
+        self._last_messages = 0
         self._send = send
         self._step = step
         self._schedule_flush = schedule_flush
@@ -226,7 +260,10 @@ class SnapshotFiles:
         if self._child is not None or self._loop is None:  # writing, or not started
             return
         core = self.core
-        if core.applied_since_snapshot() < self.snapshot_every:
+        since = core.applied_since_snapshot()
+        if since < self.snapshot_every:  # (the common case, every turn: no call)
+            return
+        if not snapshot_due(since, self.snapshot_every, not core.peers, self._last_messages):
             return
         trans_id, vote_id = core.snapshot_point()
         if time.monotonic() < self._retry_at:
@@ -240,6 +277,7 @@ class SnapshotFiles:
             self._snapshot_failed(trans_id, f"pipe: {exc}")
             return
         started = time.perf_counter()
+        self._last_messages = sum(len(queue) for queue in self.core.store.queues.values())
         try:
             pid = os.fork()
         except OSError as exc:
