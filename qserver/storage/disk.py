@@ -25,8 +25,9 @@ A node opens the directory, calls `recover()` once, then uses `save_vote`,
 in the order `Ready` lists them, and `close()` at shutdown.
 
 Durability: what survives a crash
-- `append` hands the frames to the OS in one write(2) per call, so a process
-  crash (kill -9) loses nothing appended. What a power loss keeps depends on
+- `append` hands the frames to the OS before it returns (a copy into the
+  page cache, see "Writing" below), so a process crash (kill -9) loses
+  nothing appended. What a power loss keeps depends on
   `sync()`: everything appended before the last `sync()` survives.
 - The node calls `sync()` by its fsync policy (config `fsync`): `always`,
   once per event-loop turn before answering; `batch`, from a timer every few
@@ -42,9 +43,21 @@ Durability: what survives a crash
   returns may still be only in the page cache, and the node acts on them.
 
 The current segment's file is filled with zeros ahead of its records
-(PREALLOCATE_BYTES at a time) and the records are written over them with
-pwrite, so that a sync is an fdatasync that changes no metadata (no file
-size, no new blocks). Recovery takes an all-zero rest of a segment for that
+(PREALLOCATE_BYTES at a time) and the records are written over them, so
+that a sync is an fdatasync that changes no metadata (no file size, no new
+blocks).
+
+Writing: on Linux the records are copied into a shared mapping
+(MAP_SHARED) of the current segment's zeros, not written with pwrite(2).
+The mapping is the page cache itself, which write(2) would fill: a process
+crash loses nothing copied, fdatasync writes the pages back (Linux tracks
+pages dirtied through a mapping like written ones), and recovery reads them
+with read(2). A copy costs a fraction of a system call, so the native
+engine's fast path writes each record as it is appended and answers at
+once. The mapping runs from the page holding the segment's end to the end
+of its zeros and is made again when the zeros grow; it is dropped before
+the file is cut or closed. Where a mapping cannot be made (another system,
+or mmap fails), records go by pwrite. Recovery takes an all-zero rest of a segment for that
 space, not for damage; a segment is trimmed to its records when the log
 rolls past it and at close.
 
@@ -73,9 +86,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import re
 import shutil
+import sys
 import tempfile
 from array import array
 from bisect import bisect_right
@@ -120,6 +135,12 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 # log rolls past it and at close.
 PREALLOCATE_BYTES = 1024 * 1024
 _ZEROS = bytes(PREALLOCATE_BYTES)
+
+# Where each write began is kept (marks) at least every this many records:
+# a truncation reads the frame headers from the mark before its cut to the
+# next (see _cut_offset), while the fast path's one-record writes add no
+# mark each.
+MARK_SPACING = 64
 
 # errnos that mean "no space": the write may be tried again once space is
 # freed (every other write error stops the node).
@@ -295,9 +316,10 @@ class DiskStorage:
         self.segment_bytes = segment_bytes
         self._segments: list[Segment] = []  # the log, oldest first; the last is current
         self._fd = -1  # open on the last segment (append only) or -1
-        # Where each write (one or more frames) into the last segment began:
-        # its first trans_id and its offset, in order. A truncation reads
-        # the frame headers of the one write it cuts into (`_cut_offset`).
+        # Where writes (one or more frames) into the last segment began, at
+        # least every MARK_SPACING records: first trans_id and offset, in
+        # order. A truncation reads the frame headers from the mark before
+        # its cut (`_cut_offset`).
         self._mark_ids = array("Q")
         self._mark_offsets = array("Q")
         self._next_trans_id = 1  # trans_id the next append must have
@@ -310,6 +332,13 @@ class DiskStorage:
         self._recovered = False
         self._failed: StorageError | None = None  # set by a failed write: refuse all work
         self._lock_fd = -1
+        # The shared mapping records are copied into (see "Writing"): of
+        # the current segment's file from _map_start to _map_end; None
+        # while there is none (made by _write when it needs one).
+        self._map: mmap.mmap | None = None
+        self._map_start = 0
+        self._map_end = 0
+        self._mappable = sys.platform == "linux"  # False: pwrite only
 
     @classmethod
     def open(cls, directory: str, fsync: Fsync | str = Fsync.BATCH, *,
@@ -439,7 +468,7 @@ class DiskStorage:
                 # only records at or below the snapshot remain in it; they end
                 # at the snapshot point (checked above), so this cannot happen
                 raise InvariantError(f"{last.path}: recovered log does not end at the snapshot")
-            self._fd = os.open(last.path, os.O_WRONLY)  # written at last.size (pwrite)
+            self._fd = os.open(last.path, os.O_RDWR)  # written at last.size (mapped)
             self._dirty = True  # what we read may be in the page cache only
         self._recovered = True
         self.sync()
@@ -522,8 +551,8 @@ class DiskStorage:
     def append(self, records: Iterable[Record]) -> None:
         """Append records (the next must be `next_trans_id`, then one by one).
 
-        One write(2) per segment touched: a process crash loses nothing, a
-        power loss what came after the last `sync()`. Starts a new segment
+        One copy (or write(2)) per segment touched: a process crash loses
+        nothing, a power loss what came after the last `sync()`. Starts a new segment
         (fsyncing the full one) once the current holds `segment_bytes`, if
         there is space for it. Records that fit in the room reserved with
         `make_room` never allocate; others extend the zeros first.
@@ -585,26 +614,81 @@ class DiskStorage:
             self._write(seg, b"".join(frames), len(frames), first)
         self._next_trans_id = expect
 
+    def append_frame(self, frame: bytes) -> None:
+        """`append_frames([frame])`: one record already encoded, the next
+        trans_id (the native engine's fast path, a record at a time). Within
+        the current mapping it is a copy and a few counters."""
+        mapped = self._map
+        if mapped is not None and self._failed is None:
+            seg = self._segments[-1]  # (a mapping is of the current segment)
+            start = seg.size
+            end = start + len(frame)
+            if end <= self._map_end and end <= self.segment_bytes:  # (else it may roll)
+                mapped[start - self._map_start:end - self._map_start] = frame
+                first = self._next_trans_id
+                ids = self._mark_ids
+                if not ids or first - ids[-1] >= MARK_SPACING:
+                    ids.append(first)
+                    self._mark_offsets.append(start)
+                seg.size = end
+                self._next_trans_id = first + 1
+                self._dirty = True
+                self._appends += 1
+                self.records_written += 1
+                return
+        self.append_frames([frame])
+
     def _write(self, seg: Segment, data: bytes, count: int, first: int) -> None:
         """Write `count` frames (`data`; the first is trans_id `first`) at
-        the end of `seg`, the current segment."""
+        the end of `seg`, the current segment: copied into the mapping,
+        made first if this goes past it; else with pwrite."""
         start = seg.size
-        self._mark_ids.append(first)
-        self._mark_offsets.append(start)
+        ids = self._mark_ids
+        if not ids or first - ids[-1] >= MARK_SPACING:
+            ids.append(first)
+            self._mark_offsets.append(start)
         end = start + len(data)
         if end > seg.allocated:  # not reserved with make_room: extend the zeros now
             self._fill_zeros(seg, end + min(PREALLOCATE_BYTES, self.segment_bytes))
-        try:
-            if os.pwrite(self._fd, data, start) != len(data):  # rare: a short write
-                _pwrite_all(self._fd, data, start)  # (all again, from the start)
-        except OSError as exc:
-            raise self._fail(seg.path, start, "write", exc) from exc
+        if end > self._map_end and self._mappable and end <= seg.allocated:
+            self._remap(seg, start)
+        if end <= self._map_end:
+            assert self._map is not None  # (_map_end is 0 without one)
+            self._map[start - self._map_start:end - self._map_start] = data
+        else:
+            try:
+                if os.pwrite(self._fd, data, start) != len(data):  # rare: a short write
+                    _pwrite_all(self._fd, data, start)  # (all again, from the start)
+            except OSError as exc:
+                raise self._fail(seg.path, start, "write", exc) from exc
         seg.size = end
         if end > seg.allocated:
             seg.allocated = end
         self._dirty = True
         self._appends += 1
         self.records_written += count
+
+    def _remap(self, seg: Segment, start: int) -> None:
+        """Map the current segment from the page holding `start` to the end
+        of its zeros (`seg.allocated`, the file's length). If the system
+        will not, records go by pwrite from now on."""
+        self._unmap()
+        offset = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            self._map = mmap.mmap(self._fd, seg.allocated - offset, offset=offset)
+        except (OSError, ValueError) as exc:
+            self._mappable = False
+            log.info("storage: cannot map %s (%s); records are written with pwrite",
+                     seg.path, exc)
+            return
+        self._map_start, self._map_end = offset, seg.allocated
+
+    def _unmap(self) -> None:
+        """Drop the mapping (before the file is cut or closed)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+            self._map_start = self._map_end = 0
 
     def _fill_zeros(self, seg: Segment, length: int) -> bool:
         """Fill the current segment's file with zeros up to `length` bytes
@@ -666,6 +750,7 @@ class DiskStorage:
         ahead goes) and make that durable."""
         try:
             if seg.allocated > seg.size:
+                self._unmap()
                 os.ftruncate(self._fd, seg.size)
                 seg.allocated = seg.size
             os.fdatasync(self._fd)
@@ -703,7 +788,7 @@ class DiskStorage:
         path = self._segment_path(first)
         tmp = path + _TMP
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             if exc.errno in _OUT_OF_SPACE and not required:
                 return None
@@ -730,6 +815,7 @@ class DiskStorage:
             if self._fd >= 0:
                 old = self._segments[-1]
                 self._trim(old)
+                self._unmap()
                 os.close(self._fd)
                 self._fd = -1
                 self._dirty = False
@@ -824,6 +910,7 @@ class DiskStorage:
             seg = segments.pop()
             end_id = seg.first
             if self._fd >= 0:
+                self._unmap()
                 os.close(self._fd)
                 self._fd = -1
             try:
@@ -837,10 +924,11 @@ class DiskStorage:
             try:
                 if self._fd < 0:  # the cut is in an older segment: index it
                     self._index_frames(seg.first, frame_offsets(read_file(seg.path, seg.size)))
-                    self._fd = os.open(seg.path, os.O_WRONLY)
+                    self._fd = os.open(seg.path, os.O_RDWR)
                 if trans_id + 1 < end_id:
                     seg.size = self._cut_offset(seg, trans_id + 1)
                 if seg.allocated > seg.size:  # also zeroes what was cut
+                    self._unmap()
                     os.ftruncate(self._fd, seg.size)
                     seg.allocated = seg.size
                 os.fsync(self._fd)
@@ -967,6 +1055,7 @@ class DiskStorage:
 
     def _restart_log_after(self, trans_id: int) -> None:
         if self._fd >= 0:
+            self._unmap()
             os.close(self._fd)
             self._fd = -1
         for seg in self._segments:
@@ -1001,6 +1090,7 @@ class DiskStorage:
         page cache still holds what was appended). For tests and for
         stopping after a StorageError."""
         if self._fd >= 0:
+            self._unmap()
             os.close(self._fd)
             self._fd = -1
         if self._lock_fd >= 0:
