@@ -51,16 +51,15 @@ Async mode's fast path (both configurations): while `commits_at_once`
 holds on a master (ClusterEngine's conditions: master, no deferred sync,
 no log change pending in its Ready), a client write that service.py
 hands to commit_now is appended and applied at once (`append_now`,
-NativeCore.append_now); its record is written first thing in the node's
-next flush, before the Ready's records (the disk checks that trans_ids
-follow each other), and the answer goes right after that write, before
-the Ready's messages; the push follows with a Ready, whenever the core
-decides (in async mode `run_schedule` draws the core's push_interval_ms:
-0, the driver's ASYNC_PUSH_INTERVAL_MS or 20 ms). Like the other writes
-of a turn, with `batch_rate` the write waits for the end of the instant;
-a crash before it loses the record and the answer. Its flushes are
-durable: the driver's fast path needs fsync off or batch, whose loss of
-unsynced records on a power loss async mode allows anyway; what a slave
+NativeCore.append_now), its record is written at once (the disk checks
+that trans_ids follow each other: a proposal's Ready turns the fast path
+off until it is carried out) and the answer goes right after; the push
+follows with a Ready, whenever the core decides (in async mode
+`run_schedule` draws the core's push_interval_ms: 0, the driver's
+ASYNC_PUSH_INTERVAL_MS or 20 ms). With `batch_rate` that flush waits for
+the end of the instant. Its writes are durable, as flushes are: the
+driver's fast path needs fsync off or batch, whose loss of unsynced
+records on a power loss async mode allows anyway; what a slave
 acknowledges is fsynced either way.
 
 A crash loses the node's memory and its adapter's state (syncs, timers,
@@ -146,6 +145,7 @@ import contextlib
 import copy
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -294,11 +294,6 @@ class SimNode:
     # Files received since the last flush: (the loader stepped into the core
     # as the Snapshot's state, the file's content, its trans_id).
     received: list[tuple[object, list, int]] = field(default_factory=list)
-    # The fast path (Network.append_now, ClusterEngine.commit_now): records
-    # appended and applied at once, written first thing in the next flush,
-    # and the answers that wait for that write (ClusterEngine.holding).
-    unwritten: list[Record] = field(default_factory=list)
-    held: list = field(default_factory=list)
 
     def received_file(self, loader) -> tuple[object, list, int] | None:
         return next((r for r in self.received if r[0] is loader), None)
@@ -327,8 +322,6 @@ class SimNode:
         self.writer = self.incoming = None
         self.received = []
         self.outgoing = {}
-        self.unwritten = []
-        self.held = []
 
 
 class Network:
@@ -580,8 +573,7 @@ class Network:
         node = self.nodes[i]
         core = node.core
         ready = core.take_ready(self.now)
-        written, node.unwritten = node.unwritten, []
-        self._persist(node, ready, written)
+        self._persist(node, ready)
         stats = self.stats
         if ready.snapshot is not None:
             stats["snapshots"] += 1
@@ -590,10 +582,6 @@ class Network:
         if self.checker is not None:
             self.checker.on_persist(node, ready)
         node.received = []  # files the core did not take (SnapshotFiles.discard_unwanted)
-        if node.held:  # ClusterEngine._release_held: the records they waited for are written
-            held, node.held = node.held, []
-            for answer in held:
-                answer()
         for dst, msg in ready.messages:
             if self.sent is not None:
                 self.sent.append((self.now, i, dst, msg))
@@ -611,15 +599,12 @@ class Network:
             self._stream(node, peer, trans_id, vote_id)
         self._maybe_write(node)
 
-    def _persist(self, node: SimNode, ready, written: list[Record]) -> None:
-        """ClusterEngine._flush's write of the fast path's records
-        (`written`), then ClusterEngine._persist and Durability.after_write
-        (fsync=always): the vote, a snapshot installed from the master, the
-        log change; then fsync now, or leave it to a sync off the loop (a
-        deferring master), as the Ready's own_sync says."""
+    def _persist(self, node: SimNode, ready) -> None:
+        """ClusterEngine._persist and Durability.after_write (fsync=always):
+        the vote, a snapshot installed from the master, the log change;
+        then fsync now, or leave it to a sync off the loop (a deferring
+        master), as the Ready's own_sync says."""
         core = node.core
-        if written:
-            self._append_disk(node, written, note=True)
         if ready.vote is not None:
             node.disk_vote = ready.vote
         if ready.snapshot is not None:
@@ -652,10 +637,9 @@ class Network:
 
     def _append_disk(self, node: SimNode, records: list[Record], note: bool = False) -> None:
         """DiskStorage.append: the log file holds trans_ids in order, without
-        a gap (why the adapter's fast path waits behind a pending proposal:
-        its records are written before the Ready's). `note`: tell the
-        Checker (invariant 3) now, before a truncation of the same Ready
-        may cut them."""
+        a gap (why the adapter's fast path waits behind a pending proposal).
+        `note`: tell the Checker (invariant 3) now (the fast path's record,
+        written outside a flush)."""
         for record in records:
             if record.trans_id != node.last_written() + 1:
                 raise SimFailure(f"seed {self.seed}: node {node.node_id} writes {record} after "
@@ -1021,25 +1005,23 @@ class Network:
         ready = core.ready
         return not ready.records and ready.truncate_after is None and ready.snapshot is None
 
-    def append_now(self, i: int, entry, done, *, flush: bool = True) -> Record:
+    def append_now(self, i: int, entry, done) -> tuple[Record, Callable[[], None]]:
         """ClusterEngine.commit_now on node i (while `commits_at_once`):
-        NativeCore.append_now appends and applies `entry` at once; its
-        record is written first thing in the node's next flush, before the
-        Ready's records, and `done(result, None)` runs right after that
-        write, before the Ready's messages go (the client protocols hold
-        the answer until then: ClusterEngine.holding). A crash before the
-        flush loses both. The push to the slaves goes with the Ready, when
-        the core decides. `flush`: flush now (else the caller does, or
-        leaves the node dirty until the end of the instant)."""
+        NativeCore.append_now appends and applies `entry` at once and its
+        record is written at once (durable, as a flush's writes are).
+        Returns the record and the answer (`done(result, None)`), which the
+        caller runs once it has noted the write: the service answers as
+        commit_now returns. The push to the slaves goes with a Ready, when
+        the core decides: the caller flushes, or leaves the node dirty
+        until the end of the instant."""
         node = self.nodes[i]
         record, result = node.core.append_now(entry)
-        node.unwritten.append(record)
-        node.held.append(partial(done, result, None))
+        self._append_disk(node, [record], note=True)
+        if node.synced_upto < node.last_written():
+            node.synced_upto = node.last_written()
+            node.core.synced_to(node.synced_upto)
         self.stats["appended_now"] += 1
-        if flush:
-            self._flush(i)
-            self.observe((i,))
-        return record
+        return record, partial(done, result, None)
 
     def converged(self) -> bool:
         """One master that every live node follows, every log identical to
@@ -1207,11 +1189,10 @@ class Checker:
     @staticmethod
     def _unlogged_record(node: SimNode, t: int) -> Record | None:
         """The record at t that the node committed and compacted away in
-        the same step: among its fast path's unwritten records or in its
-        unflushed Ready, or on its disk (unless the unflushed Ready replaces
-        that part of the disk)."""
+        the same step: in its unflushed Ready, or on its disk (unless the
+        unflushed Ready replaces that part of the disk)."""
         ready = node.core.ready
-        for record in (*node.unwritten, *ready.records):
+        for record in ready.records:
             if record.trans_id == t:
                 return record
         if ready.snapshot is not None or (ready.truncate_after is not None
@@ -2093,14 +2074,17 @@ class Workload:
                     self.produced[item[0]].decisions.append(
                         tuple((name, first + k) for name, first in outcome.targets))
             fast = self._answers_now(req) and net.commits_at_once(target)
+            answer = None
             if fast:
-                net.append_now(target, outcome, done, flush=False)
+                answer = net.append_now(target, outcome, done)[1]
             else:
                 core.propose(outcome, done)
             att.trans_id, att.vote_id = core.log.last_trans_id, core.vote_id
             self._note_decision(core, outcome, req.kind, req)
+            if answer is not None:
+                answer()
         if fast and net.batch_rate and net.rng.random() < net.batch_rate:
-            # The records of the fast path are written once per event-loop
+            # The fast path's flush (the push) comes once per event-loop
             # turn: more requests (and peer messages) may come first.
             net.dirty.add(target)
         else:

@@ -171,8 +171,11 @@ def write_now(net: Network, node: int, entry, results: list) -> None:
     disk = net.nodes[node]
     t = net.core(node).log.last_trans_id + 1
     before = len(results)
-    record = net.append_now(node, entry, lambda result, error: results.append(
+    record, answer = net.append_now(node, entry, lambda result, error: results.append(
         (result, error, disk.disk_record(t))))
+    answer()
+    net._flush(node)
+    net.observe((node,))
     assert record.trans_id == t and len(results) == before + 1, "not answered at once"
     assert results[-1][1] is None and results[-1][2] == record, "answered before it was written"
 

@@ -39,18 +39,16 @@ works and the log's room takes more than one request's record,
 and applies the entry (`NativeCore.append_now`; alone it also commits) and
 returns the result: the service builds the answer in the same call, as a
 node in memory does. With storage, each record is encoded once, before it
-is appended (`NativeCore.next_record`), so that its exact size is reserved
-in the log's room and the same bytes are written; the records of a turn
-are written together, first thing in the turn's flush (one pwrite,
-`DiskStorage.append_frames`; the batch timer fsyncs them later, as on the
-general path); meanwhile `holding` is on and
-the client protocols keep the answers, which `release_answers` (the
-node's) writes right after. Without storage nothing waits. Pushes to the
-slaves go out with the turn's Ready, as for proposals. A write that takes
-the general path (propose: a batch, a dead-letter move, or any write while
-the room is low or the disk full) turns the fast path off until its Ready
-is carried out, so the log file keeps trans_id order; so does losing the
-master role, at once (`_step_now`).
+is appended (`NativeCore.next_record`; the fast path keeps more room in
+the log than any one record takes), and written at once, in that call: a
+copy into the log's mapping (`DiskStorage.append_frame`), so the answer
+leaves with its record in the page cache, as on the general path (the
+batch timer fsyncs it later). Pushes to the slaves go out with the turn's
+Ready, as for proposals. A write that takes the general path (propose: a
+batch, a dead-letter move, or any write while the room is low or the disk
+full) turns the fast path off until its Ready is carried out, so the log
+file keeps trans_id order; so does losing the master role, at once
+(`_step_now`).
 
 Leader transfer (`transfer_leader`, the core's TimeoutNow): the fast path
 is off from the request until the transfer ends (the core refuses every
@@ -88,7 +86,6 @@ from ..base import (
     Respond,
     Role,
     RoleHandler,
-    Session,
     TransferDone,
 )
 from ..forwarding import Forwarder
@@ -125,6 +122,11 @@ DEFAULT_TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)
 # push_interval_ms): one push carries several turns' records, which saves
 # the slaves a turn, a decode and an acknowledgement per turn of the master.
 ASYNC_PUSH_INTERVAL_MS = 2
+
+# A node alone writes commit_now's records without a flush; it flushes at
+# least every this many of them (fewer if log_size is smaller), so that the
+# snapshot writer sees when one is due.
+FAST_CHECK_RECORDS = 1024
 
 
 # A full disk (see "A full disk" above): writes are refused with this reason,
@@ -214,16 +216,16 @@ class ClusterEngine:
         self._fast_ok = ((not peers or config.mode is Mode.ASYNC)
                          and (storage is None or config.fsync is not Fsync.ALWAYS))
         self._fast_room = 2 * config.max_request_size + 2 * DISK_MARGIN_BYTES
-        # The records commit_now appended this turn, encoded, to write.
-        self._unwritten: list[bytes] = []
-        # What commit_now may reserve before it must look at the log's room:
-        # the room less _fast_room, as of the last write or _update_fast_path.
+        # What commit_now may write before it must look at the log's room:
+        # the room less _fast_room, as of _update_fast_path, less what it
+        # wrote since.
         self._fast_budget = -1
-        # (respond, answer) to forwarded requests, held as `holding` says
-        self._held_replies: list[tuple[Respond, dict]] = []
-        # Set by the node: called once the records that `holding` waited for
-        # are written (the client protocols then write the answers held).
-        self.release_answers: Callable[[], None] | None = None
+        # A node alone flushes for commit_now's records only when one's
+        # trans_id reaches this (every _check_every records: the snapshot
+        # writer looks whether one is due; fsync=batch flushes after each
+        # sync anyway); with slaves, every turn (the push).
+        self._check_every = max(1, min(FAST_CHECK_RECORDS, config.log_size))
+        self._check_at = 0
         self.snapshots = SnapshotFiles(
             core=self.core, storage=storage, node_id=config.node_id, log_size=config.log_size,
             send=self._send_to, step=self._step_now, schedule_flush=self._schedule_flush)
@@ -234,9 +236,9 @@ class ClusterEngine:
     # docstring and `_update_fast_path`); the service then calls
     # `commit_now` instead of `propose`.
     commits_at_once = False
-    # True while records of commit_now are not yet written: the client
-    # protocols hold their answers back until `release_answers`.
+    # Never: commit_now writes each record before it returns.
     holding = False
+    release_answers: Callable[[], None] | None = None  # never called
 
     @property
     def is_master(self) -> bool:
@@ -312,38 +314,40 @@ class ClusterEngine:
     def commit_now(self, entry: Entry) -> object:
         """The fast path (only while `commits_at_once`; see "Answering at
         once" in the module docstring): append and apply `entry` and return
-        what apply returned. With storage its record is written to the log
-        at the end of this event-loop turn with every other one of the turn
-        (one write); until then `holding` is True and the client protocols
-        hold the answers back (the node's `release_answers`, called once the
-        records are written)."""
+        what apply returned. With storage its record is written first (a
+        copy into the log's mapping), so the answer may leave at once."""
         if not self.commits_at_once:
             raise InvariantError("commit_now while the engine does not commit at once")
         storage = self.storage
+        core = self.core
         if storage is None:
-            result = self.core.append_now(entry)[1]
+            result = core.append_now(entry)[1]
             if not self._flush_scheduled:  # the push to the slaves
                 self._schedule_flush()
             return result
-        core = self.core
         record = core.next_record(entry)
-        frame = encode_record(record)  # once: its exact size is reserved, its bytes written
-        reserved = self._reserved + len(frame)
+        frame = encode_record(record)  # once: its size checked against the room, then written
+        budget = self._fast_budget - len(frame)
         # Within the budget, the log's room holds this record and more than
         # one request's beyond it; past it, look at the room itself.
-        within = reserved <= self._fast_budget
-        if not within and storage.room < reserved + DISK_MARGIN_BYTES:
+        if budget < 0 and storage.room < len(frame) + DISK_MARGIN_BYTES:
             # _update_fast_path keeps more room than one request can need
             raise InvariantError("commit_now without room for its record")
         result = core.append_record_now(record)
-        self._unwritten.append(frame)
-        self._reserved = reserved
-        if not self.holding:
-            self.holding = True
-            if not self._flush_scheduled:
-                self._schedule_flush()
-        if not within:
+        try:
+            storage.append_frame(frame)
+        except StorageError as exc:
+            self._fail(exc)  # the node stops; the answer is never written
+            raise
+        self._fast_budget = budget
+        durability = self.durability
+        if durability is not None and durability.wants_writes:
+            durability.after_write(OwnSync.BEFORE_SEND)  # (arms the batch timer)
+        if budget < 0:
             self._update_fast_path()
+        if (self.net is not None or record.trans_id >= self._check_at) \
+                and not self._flush_scheduled:
+            self._schedule_flush()
         return result
 
     def forward(self, request: dict, respond: Respond,
@@ -412,13 +416,13 @@ class ClusterEngine:
             return
         # `type(msg) is C` written out each time: mypy narrows `msg` on it.
         if type(msg) is ForwardBatch:
-            self._forwarding().serve_batch(peer_id, msg, self._forwarded_handler())
+            self._forwarding().serve_batch(peer_id, msg, self.handle_forwarded)
             return
         if type(msg) is ForwardReplies:
             self._forwarding().on_replies(msg)
             return
         if type(msg) is Forward:
-            self._forwarding().serve(peer_id, msg, self._forwarded_handler())
+            self._forwarding().serve(peer_id, msg, self.handle_forwarded)
             return
         if type(msg) is ForwardReply:
             self._forwarding().on_reply(msg)
@@ -452,26 +456,6 @@ class ClusterEngine:
                 msg = dataclasses.replace(msg, records=())
         self._step_now(msg)
 
-    def _forwarded_handler(self) -> ForwardedHandler | None:
-        handler = self.handle_forwarded
-        if handler is not None and self.storage is not None and self._fast_ok:
-            handler = self._held_forwarded(handler)
-        return handler
-
-    def _held_forwarded(self, handler: ForwardedHandler) -> ForwardedHandler:
-        """`handler` whose answers wait, as the client protocols' do, while
-        this turn's records of commit_now are unwritten (`holding`): the
-        answer to a slave's forwarded write must not leave before it."""
-        def handle(request: dict, now: int, respond: Respond,
-                   session: Session | None) -> None:
-            def held(response: dict) -> None:
-                if self.holding:
-                    self._held_replies.append((respond, response))
-                else:
-                    respond(response)
-            handler(request, now, held, session)
-        return handle
-
     def _step_now(self, msg: Message) -> None:
         self.core.step(msg, now_ms())
         if self.commits_at_once and not self.core.is_master:
@@ -501,16 +485,11 @@ class ClusterEngine:
         self._flush_scheduled = False
         if self._failed:
             return
+        self._check_at = self.core.log.last_trans_id + self._check_every
         durability = self.durability  # not None iff there is storage
-        if self.net is None and durability is not None and self._unwritten and not self.core.ready:
-            self._write_alone(durability)
-            return
         ready = self.core.take_ready(now_ms())
         if durability is not None:
             try:
-                if self._unwritten:  # commit_now's, before any of the Ready's
-                    durability.storage.append_frames(self._unwritten)
-                    self._unwritten.clear()
                 self._persist(durability, ready)
             except StorageError as exc:
                 self._fail(exc)
@@ -518,8 +497,6 @@ class ClusterEngine:
             self._reserved = 0  # what was reserved is written
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
-        if self.holding:
-            self._release_held()
         self.snapshots.discard_unwanted()
         net = self.net
         if net is not None and ready.messages:
@@ -539,33 +516,6 @@ class ClusterEngine:
             log.info("node %d: %s in vote %d (leader %s)", self.config.node_id, role.value,
                      self.core.vote_id, self.core.leader_id or "unknown")
         self._arm_timer()
-
-    def _write_alone(self, durability: Durability) -> None:
-        """The flush of a node alone whose turn brought only the records of
-        commit_now (the core's Ready is empty): write them, let the answers
-        held go; nothing else of the core changed (its timer stands)."""
-        try:
-            durability.storage.append_frames(self._unwritten)
-            self._unwritten.clear()
-            durability.after_write(OwnSync.BEFORE_SEND)
-        except StorageError as exc:
-            self._fail(exc)
-            return
-        self._reserved = 0
-        self._fast_budget = durability.storage.room - self._fast_room
-        self._release_held()
-        self.snapshots.maybe_write()
-
-    def _release_held(self) -> None:
-        """The records that `holding` waited for are written: the answers
-        held (the client protocols', then forwarded requests') may go."""
-        self.holding = False
-        if self.release_answers is not None:
-            self.release_answers()
-        if self._held_replies:
-            replies, self._held_replies = self._held_replies, []
-            for respond, response in replies:
-                respond(response)
 
     def _send_all(self, net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
         encoded: dict[int, object] = {}

@@ -111,6 +111,10 @@ class Durability:
         self._next_token = 1
         self._pool: ThreadPoolExecutor | None = None  # one thread, made at its first use
         self._batch_timer: asyncio.TimerHandle | None = None  # armed: a sync is due by it
+        # Whether a write outside a Ready (the driver's fast path, a record
+        # at a time) must call after_write: False while the batch timer is
+        # armed (it will sync that write too) and with fsync=off.
+        self.wants_writes = policy is not Fsync.OFF
         self._busy = False  # a sync off the loop is under way (one at most)
         self._again = False  # another was asked for while _busy: it starts when that ends
         self._epoch = 0  # truncations and installs so far; a sync reports only in its own
@@ -161,6 +165,7 @@ class Durability:
         elif policy is Fsync.ALWAYS and own_sync is OwnSync.NOW:
             self._start_sync()
         elif policy is not Fsync.OFF and self._batch_timer is None:
+            self.wants_writes = False
             self._batch_timer = self._running.call_later(BATCH_SYNC_MS / 1000,
                                                          self.batch_sync)
 
@@ -172,6 +177,7 @@ class Durability:
     def batch_sync(self) -> None:
         """The batch timer fired: sync what is written, off the loop."""
         self._batch_timer = None
+        self.wants_writes = True
         if self.storage.dirty and not self._failed:
             try:
                 self._start_sync()
