@@ -85,6 +85,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import faulthandler
 import logging
 import math
 import os
@@ -1235,6 +1236,10 @@ def main(argv: list[str] | None = None) -> int:
             level = asked
         configure_logging(args.log_format, level, node_id=config.node_id,
                           prefix=config.log_prefix)
+        # A fatal signal prints the Python stack before the process dies: a
+        # SIGBUS is how a disk error reaches a write into the log's mapping
+        # (storage.disk, "Writing").
+        faulthandler.enable()
         try:
             import uvloop
             return uvloop.run(_run(config))

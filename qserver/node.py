@@ -100,12 +100,6 @@ class Node:
             obj, t, respond, forwarded=True, session=session)
         self.engine.on_fatal = self._engine_failed
         self.engine.on_role_change = self.service.role_changed
-        self.engine.release_answers = self._release_answers
-        # Client protocols holding answers back while the engine holds
-        # (Engine.holding), to release once it lets them go: a protocol
-        # appends itself, once until released (it binds `owed.append` once:
-        # the list is emptied in place, never replaced).
-        self.owed: list[ClientTcpProtocol | ClientUdpProtocol] = []
         self.service.schedule = self._schedule_tick
         # The service's timer (long polls, leases): one, at its earliest deadline.
         self._tick_timer: asyncio.TimerHandle | None = None
@@ -232,14 +226,6 @@ class Node:
         """The bound HTTP address (the real port when configured as 0);
         None without <http>."""
         return self.http.address if self.http is not None else None
-
-    def _release_answers(self) -> None:
-        """The engine's records are written: the answers held may go."""
-        owed = self.owed
-        protocols = owed[:]
-        owed.clear()
-        for protocol in protocols:
-            protocol.release()
 
     def _schedule_tick(self, at_ms: int) -> None:
         """Call the service's `tick` at `at_ms` (unix ms), unless the timer

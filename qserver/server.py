@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .auth import AUTH_ACTION, Guard
 from .config import ClientToken
@@ -119,12 +119,9 @@ class ClientTcpProtocol(asyncio.Protocol):
         self._feed = self.decoder.feed
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
-        self._engine = node.engine
         # The answers' counts (metrics): the fast path's, and any other.
         self._fast = node.request_stats.fast
         self._count = node.request_stats.answered
-        self.owed = False  # registered with the node to write answers held back
-        self._owe = node.owed.append
         # What this client has waiting (parked consumes): dropped when it goes.
         self.session = Session()
         # <security>: the node's guard (None: every request is allowed), and
@@ -164,12 +161,7 @@ class ClientTcpProtocol(asyncio.Protocol):
                 response = self._answer_now(item, t)
                 if response is not None:
                     self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
-                    if self._engine.holding:  # its record is not written yet
-                        self.slots.append([encode_response(response)])
-                        if not self.owed:  # _hold, inline
-                            self.owed = True
-                            self._owe(self)
-                    elif self.transport is not None:
+                    if self.transport is not None:
                         self.transport.write(encode_response(response))
                     return
         self._general(items, t)
@@ -275,36 +267,10 @@ class ClientTcpProtocol(asyncio.Protocol):
             self.too_many_slots = False
             self._update_reading()
 
-    def _hold(self) -> None:
-        """The engine holds answers back (Engine.holding): write them when
-        the node releases them."""
-        if not self.owed:
-            self.owed = True
-            self._owe(self)
-
-    def release(self) -> None:
-        """The node: the answers held back may go now."""
-        self.owed = False
-        slots = self.slots
-        transport = self.transport
-        if (len(slots) == 1 and transport is not None and not self.closing
-                and not self.too_many_slots and self.node.drained is None):
-            # The common case (one answer held, nothing else owed): _flush
-            # without its calls.
-            answer = slots[0][0]
-            if answer is not None:
-                slots.popleft()
-                transport.write(answer)
-                return
-        self._flush()
-
     def _write_head(self) -> None:
         """Write the answers at the head of the queue that are ready."""
         transport = self.transport
         if transport is None:
-            return
-        if self._engine.holding:
-            self._hold()
             return
         slots = self.slots
         if len(slots) == 1:
@@ -360,13 +326,9 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         # Bound once: datagram_received runs per request.
         self._answer_now = node.service.answer_now
         self._handle = node.service.handle_general
-        self._engine = node.engine
         # The answers' counts (metrics): the fast path's, and any other.
         self._fast = node.request_stats.fast
         self._count = node.request_stats.answered
-        # Answers held back while the engine holds (Engine.holding).
-        self.held: list[tuple[bytes, Any]] = []
-        self._owe = node.owed.append
         self._guard: Guard | None = node.guard  # <security>; None: all allowed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -390,13 +352,7 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
         transport = self.transport
         if len(payload) <= MAX_UDP_PAYLOAD and transport is not None:
             self._fast[response["action"] - FAST_STRIDE * response["code"]] += 1
-            if self._engine.holding:  # _hold, inline
-                held = self.held
-                if not held:
-                    self._owe(self)
-                held.append((payload, addr))
-            else:
-                transport.sendto(payload, addr)
+            transport.sendto(payload, addr)
         else:
             self._send(response, addr)
 
@@ -431,23 +387,7 @@ class ClientUdpProtocol(asyncio.DatagramProtocol):
             response.update(code=-1, reason="response too large for udp; use tcp")
             payload = encode_response(response)
         self._count(response, None if started is None else _perf_ns() - started)
-        if self._engine.holding:
-            self._hold(payload, addr)
-        else:
-            self.transport.sendto(payload, addr)
-
-    def _hold(self, payload: bytes, addr) -> None:
-        if not self.held:
-            self._owe(self)
-        self.held.append((payload, addr))
-
-    def release(self) -> None:
-        """The node: the answers held back may go now."""
-        held, self.held = self.held, []
-        transport = self.transport
-        if transport is not None:
-            for payload, addr in held:
-                transport.sendto(payload, addr)
+        self.transport.sendto(payload, addr)
 
     def error_received(self, exc: Exception) -> None:
         log.debug("udp error: %s", exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 
 import pytest
 
@@ -217,3 +218,30 @@ def test_the_answer_to_a_forwarded_write_leaves_with_its_record_written(tmp_path
             await node.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_log_file_cut_under_the_node_stops_it_loudly(tmp_path):
+    """Records are copied into a mapping of the log's current segment
+    (storage.disk, "Writing"): a page that cannot be read in (a disk
+    error, here the file cut under the node) reaches the node as SIGBUS.
+    It dies at once, the write unanswered (fail-stop, as a StorageError
+    stops it), and its stderr says where: faulthandler's stack, in the
+    log's write."""
+    port = free_port()
+    config = write_config(tmp_path / "node.xml", port,
+                          f'  <storage dir="{tmp_path}/data" fsync="batch"/>\n')
+    node = NodeProcess(config, port)
+    try:
+        node.wait_ready()
+        client = TcpClient(port)
+        assert client.request(action=1, queue="q", data="before")["code"] == 0
+        os.truncate(max((tmp_path / "data").glob("log-*.seg")), 0)
+        with pytest.raises(ConnectionError):  # (reset, or closed by the server)
+            client.request(action=1, queue="q", data="after")
+        client.close()
+        node.proc.wait(timeout=30)
+    finally:
+        node.kill()
+    assert node.proc.returncode == -signal.SIGBUS
+    assert "Bus error" in node.stderr_text and "append_frame" in node.stderr_text, \
+        node.stderr_text[-2000:]

@@ -151,13 +151,6 @@ class Engine(Protocol):
     # master answers reads at once anyway).
     commits_at_once: bool
 
-    # True while entries that `commit_now` took are not yet persisted:
-    # the client protocols hold their answers back (every answer, so that
-    # none overtakes one held) until the engine calls `release_answers`
-    # (set by the node). Always False for an engine without such a wait.
-    holding: bool
-    release_answers: Callable[[], None] | None
-
     # Set by the node before `start`: how a request that a slave forwarded
     # to this node is answered (the service), and what happens when the
     # engine cannot go on (the node stops at once).

@@ -10,7 +10,6 @@ This module does no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..state.entries import Entry
@@ -74,8 +73,6 @@ class LocalEngine:
     # `commit_now` directly: this engine commits every entry at once.
     # Such an engine is always master (the service's fast path relies on it).
     commits_at_once = True
-    holding = False  # never: nothing committed waits to be written
-    release_answers: Callable[[], None] | None = None  # never called
 
     def commit_now(self, entry: Entry) -> Any:
         """Append, apply and commit `entry`; return what apply returned."""

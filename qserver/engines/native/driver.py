@@ -66,7 +66,6 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
 
 from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
@@ -236,9 +235,6 @@ class ClusterEngine:
     # docstring and `_update_fast_path`); the service then calls
     # `commit_now` instead of `propose`.
     commits_at_once = False
-    # Never: commit_now writes each record before it returns.
-    holding = False
-    release_answers: Callable[[], None] | None = None  # never called
 
     @property
     def is_master(self) -> bool:

@@ -446,8 +446,6 @@ class RaftEngine:
     # -- Engine interface --------------------------------------------------------
 
     commits_at_once = False
-    holding = False  # never: nothing committed waits to be written
-    release_answers: Callable[[], None] | None = None  # never called
 
     def leader(self) -> LeaderInfo | None:
         if self.is_master:
