@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -146,12 +147,18 @@ def test_a_general_write_turns_the_fast_path_off_until_its_turn_is_written(tmp_p
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("fsync", ["off", "batch"])
-def test_every_acknowledged_write_survives_kill_9(tmp_path, fsync):
+def _node_process(tmp_path, fsync: str) -> tuple[NodeProcess, int, Path]:
+    """A `qserver run` alone with storage in tmp_path/data: the process,
+    its port and its config file."""
     port = free_port()
     config = write_config(tmp_path / "node.xml", port,
                           f'  <storage dir="{tmp_path}/data" fsync="{fsync}"/>\n')
-    node = NodeProcess(config, port)
+    return NodeProcess(config, port), port, config
+
+
+@pytest.mark.parametrize("fsync", ["off", "batch"])
+def test_every_acknowledged_write_survives_kill_9(tmp_path, fsync):
+    node, port, config = _node_process(tmp_path, fsync)
     try:
         node.wait_ready()
         requests: list[dict] = []
@@ -227,10 +234,7 @@ def test_a_log_file_cut_under_the_node_stops_it_loudly(tmp_path):
     It dies at once, the write unanswered (fail-stop, as a StorageError
     stops it), and its stderr says where: faulthandler's stack, in the
     log's write."""
-    port = free_port()
-    config = write_config(tmp_path / "node.xml", port,
-                          f'  <storage dir="{tmp_path}/data" fsync="batch"/>\n')
-    node = NodeProcess(config, port)
+    node, port, _ = _node_process(tmp_path, "batch")
     try:
         node.wait_ready()
         client = TcpClient(port)

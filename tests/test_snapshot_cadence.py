@@ -5,13 +5,11 @@ held, at most LONE_SNAPSHOT_MAX_LOGS * log_size entries."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from procs import NodeProcess, TcpClient, free_port, wait_until
+from procs import NodeProcess, TcpClient, wait_until
 from qserver.engines.native.snapshots import LONE_SNAPSHOT_MAX_LOGS, snapshot_due
-from test_snapshots import replayed_state
+from test_snapshots import replayed_state, start_single
 
 
 @pytest.mark.parametrize("since, last, cluster, alone", [
@@ -30,24 +28,14 @@ def test_the_entries_a_snapshot_waits_for(since, last, cluster, alone):
     assert snapshot_due(since, 100, True, last) is alone
 
 
-def _config(port: int, data: Path, log_size: int) -> str:
-    return (f'<config><node_info node_id="1" host="127.0.0.1" port="{port}"/>'
-            f'<queue_config log_size="{log_size}"/>'
-            f'<storage dir="{data}" fsync="batch"/></config>')
-
-
 def test_a_node_alone_spaces_its_snapshots_as_its_store_grows(tmp_path):
     """1,000 produces one at a time, log_size 50, nothing consumed: every 50
     entries a cluster node's cadence would fork 20 writers; alone, the
     thresholds are 50, 100, 200, 400, then every 200 (the cap): 7 at most
     (fewer if a writer is still busy when one is due). The restart then
     replays the log after the newest one: every message is there."""
-    port = free_port()
-    data = tmp_path / "data"
-    cfg = tmp_path / "node.xml"
-    cfg.write_text(_config(port, data, log_size=50))
-    node = NodeProcess(cfg, port)
-    node.wait_ready()
+    node, data, cfg = start_single(tmp_path, log_size=50)
+    port = node.port
     try:
         c = TcpClient(port)
         for i in range(1000):

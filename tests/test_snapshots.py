@@ -19,6 +19,18 @@ def single_config(port: int, data: Path, log_size: int) -> str:
             f'<storage dir="{data}" fsync="batch"/></config>')
 
 
+def start_single(tmp_path: Path, log_size: int) -> tuple[NodeProcess, Path, Path]:
+    """A node alone with storage (fsync=batch) in tmp_path, ready: the
+    node, its data directory and its config file."""
+    port = __import__("procs").free_port()
+    data = tmp_path / "data"
+    cfg = tmp_path / "node.xml"
+    cfg.write_text(single_config(port, data, log_size=log_size))
+    node = NodeProcess(cfg, port)
+    node.wait_ready()
+    return node, data, cfg
+
+
 def replayed_state(data: Path) -> tuple[int, list]:
     """What a node's data directory holds: (last trans_id, store state), read
     back as a restart would (snapshot, then the log after it)."""
@@ -27,12 +39,8 @@ def replayed_state(data: Path) -> tuple[int, list]:
 
 
 def test_single_node_writes_snapshots_and_restarts_from_one(tmp_path):
-    port = __import__("procs").free_port()
-    data = tmp_path / "data"
-    cfg = tmp_path / "node.xml"
-    cfg.write_text(single_config(port, data, log_size=200))
-    node = NodeProcess(cfg, port)
-    node.wait_ready()
+    node, data, cfg = start_single(tmp_path, log_size=200)
+    port = node.port
     try:
         c = TcpClient(port)
         for i in range(1500):
