@@ -1,9 +1,12 @@
 """When a node writes its own snapshot (engines.native.snapshots.snapshot_due):
 a cluster node every log_size entries; a node alone also waits until the
 entries since its newest snapshot are as many as the messages that snapshot
-held, at most LONE_SNAPSHOT_MAX_LOGS * log_size entries."""
+held, at most LONE_SNAPSHOT_MAX_LOGS * log_size entries, or until it is
+quiet (LONE_QUIET_S)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -19,11 +22,11 @@ from test_snapshots import replayed_state, start_single
     (100, 150, True, False),  # alone, 150 messages written last time: 150 entries
     (149, 150, True, False),
     (150, 150, True, True),
-    (399, 10_000, True, False),  # a large store: at most 4 log_size runs
-    (400, 10_000, True, True),
+    (199, 10_000, True, False),  # a large store: at most 2 log_size runs
+    (200, 10_000, True, True),
 ])
 def test_the_entries_a_snapshot_waits_for(since, last, cluster, alone):
-    assert LONE_SNAPSHOT_MAX_LOGS == 4
+    assert LONE_SNAPSHOT_MAX_LOGS == 2
     assert snapshot_due(since, 100, False, last) is cluster
     assert snapshot_due(since, 100, True, last) is alone
 
@@ -31,8 +34,9 @@ def test_the_entries_a_snapshot_waits_for(since, last, cluster, alone):
 def test_a_node_alone_spaces_its_snapshots_as_its_store_grows(tmp_path):
     """1,000 produces one at a time, log_size 50, nothing consumed: every 50
     entries a cluster node's cadence would fork 20 writers; alone, the
-    thresholds are 50, 100, 200, 400, then every 200 (the cap): 7 at most
-    (fewer if a writer is still busy when one is due). The restart then
+    thresholds are 50, 100, 200, then every 100 (the cap): 11 at most
+    (fewer if a writer is still busy when one is due), and one more once
+    the node is quiet if log_size entries came after the last. The restart
     replays the log after the newest one: every message is there."""
     node, data, cfg = start_single(tmp_path, log_size=50)
     port = node.port
@@ -40,12 +44,14 @@ def test_a_node_alone_spaces_its_snapshots_as_its_store_grows(tmp_path):
         c = TcpClient(port)
         for i in range(1000):
             assert c.request(action=1, queue="s", data=f"m{i}")["code"] == 0
-        # once idle, the newest snapshot is less than the cap (200) behind
-        snap = wait_until(lambda: (lambda s: not s["writing"] and s["snapshot_id"] > 800 and s)(
+        before = c.request(action=104, queue="s")
+        # quiet: less than log_size behind (a snapshot of everything, unless
+        # the last one due came within log_size of the end)
+        snap = wait_until(lambda: (lambda s: (
+            not s["writing"] and before["trans_id"] - s["snapshot_id"] < 50 and s))(
             c.request(action=104)["snapshot"]))
         assert snap["failed"] == 0
-        assert 1 <= snap["taken"] <= 7, snap
-        before = c.request(action=104, queue="s")
+        assert 2 <= snap["taken"] <= 12, snap
     finally:
         node.kill()
     assert replayed_state(data)[0] == before["trans_id"]
@@ -58,3 +64,46 @@ def test_a_node_alone_spaces_its_snapshots_as_its_store_grows(tmp_path):
         assert c.request(action=2, queue="s")["data"] == "m0"
     finally:
         node.stop()
+
+
+def test_a_quiet_node_alone_snapshots_what_came_since_its_last(tmp_path):
+    """log_size 50: after 300 produces, once the node is quiet, its newest
+    snapshot holds more than 100 messages, so the next is due only after
+    100 entries (the cap, 2 x log_size). 75 entries since it are not enough
+    for that; once nothing has been applied for LONE_QUIET_S, the node
+    writes one of everything all the same, so that a restart replays
+    nothing."""
+    node, _, _ = start_single(tmp_path, log_size=50)
+    try:
+        c = TcpClient(node.port)
+
+        def monitor() -> dict:
+            return c.request(action=104)
+
+        def quiet() -> dict:
+            """The node's monitor once its snapshot has stood still for 2.5 s."""
+            seen: list = []
+
+            def still() -> dict | None:
+                m = monitor()
+                key = (m["snapshot"]["snapshot_id"], m["snapshot"]["writing"])
+                seen.append((time.monotonic(), key))
+                if key[1] or any(k != key for t, k in seen if t > seen[-1][0] - 2.5):
+                    return None
+                return m if seen[-1][0] - seen[0][0] >= 2.5 else None
+            return wait_until(still, step_s=0.1)
+
+        for i in range(300):
+            assert c.request(action=1, queue="s", data=f"m{i}")["code"] == 0
+        first = quiet()
+        since = first["trans_id"] - first["snapshot"]["snapshot_id"]
+        assert first["snapshot"]["snapshot_id"] > 101 and since < 50, first
+        for i in range(75 - since):
+            assert c.request(action=1, queue="s", data=f"n{i}")["code"] == 0
+        last = monitor()["trans_id"]
+        assert last - first["snapshot"]["snapshot_id"] == 75
+        snap = wait_until(lambda: (lambda s: s["snapshot_id"] == last and s)(
+            monitor()["snapshot"]))
+        assert snap["failed"] == 0 and snap["taken"] == first["snapshot"]["taken"] + 1, snap
+    finally:
+        node.kill()

@@ -80,8 +80,13 @@ SNAPSHOT_RETRY_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 # A node alone waits for at most this many log_size runs of entries between
-# snapshots (see snapshot_due): it bounds the log that a restart replays.
-LONE_SNAPSHOT_MAX_LOGS = 4
+# snapshots (see snapshot_due): it bounds the log that a restart replays,
+# and holds in memory while it replays it.
+LONE_SNAPSHOT_MAX_LOGS = 2
+# ...and writes one anyway, once log_size entries came since the newest,
+# when it has applied nothing for this long: a restart after the writes
+# stop then replays next to nothing (SnapshotFiles.maybe_write).
+LONE_QUIET_S = 0.25
 
 
 def snapshot_due(applied_since: int, log_size: int, alone: bool, last_messages: int) -> bool:
@@ -102,7 +107,8 @@ def snapshot_due(applied_since: int, log_size: int, alone: bool, last_messages: 
     next snapshot is due before the last is written. So alone, a node also
     waits until the entries since its newest snapshot are as many as the
     messages that snapshot held (at most one message written per entry),
-    but never more than LONE_SNAPSHOT_MAX_LOGS * log_size entries."""
+    but never more than LONE_SNAPSHOT_MAX_LOGS * log_size entries (and
+    once it is quiet: LONE_QUIET_S)."""
     if applied_since < log_size:
         return False
     return not alone or applied_since >= min(last_messages, LONE_SNAPSHOT_MAX_LOGS * log_size)
@@ -188,6 +194,10 @@ class SnapshotFiles:
         # messages the store held when the newest snapshot of this run was
         # forked (what it wrote, near enough; snapshot_due)
         self._last_messages = 0
+        # A node alone's quiet test (LONE_QUIET_S): the applied_id last seen
+        # by maybe_write, and since when (monotonic s) it has stood still.
+        self._quiet_id = -1
+        self._quiet_at = 0.0
         self._send = send
         self._step = step
         self._schedule_flush = schedule_flush
@@ -256,7 +266,8 @@ class SnapshotFiles:
 
     def maybe_write(self) -> None:
         """Start a snapshot writer once log_size entries were applied since
-        the newest snapshot (one writer at a time)."""
+        the newest snapshot (a node alone: see snapshot_due; one writer at
+        a time)."""
         if self._child is not None or self._loop is None:  # writing, or not started
             return
         core = self.core
@@ -264,7 +275,14 @@ class SnapshotFiles:
         if since < self.snapshot_every:  # (the common case, every turn: no call)
             return
         if not snapshot_due(since, self.snapshot_every, not core.peers, self._last_messages):
-            return
+            # alone, not due yet: unless nothing was applied for LONE_QUIET_S
+            # (the master's heartbeat flushes every 100 ms meanwhile)
+            now = time.monotonic()
+            if core.applied_id != self._quiet_id:
+                self._quiet_id, self._quiet_at = core.applied_id, now
+                return
+            if now - self._quiet_at < LONE_QUIET_S:
+                return
         trans_id, vote_id = core.snapshot_point()
         if time.monotonic() < self._retry_at:
             return
