@@ -702,7 +702,7 @@ class Network:
         if not snapshot_due(trans_id - core.snapshot_id, max(1, self.log_size), not core.peers,
                             node.snapshot_messages):
             return
-        node.snapshot_messages = sum(len(queue) for queue in core.store.queues.values())
+        node.snapshot_messages = core.store.message_count()
         # The fork: a copy of the store's memory and of the undo records,
         # which share objects with it (a clear's record holds the queue's
         # former containers) that the child's rollback changes; without the

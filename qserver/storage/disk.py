@@ -45,7 +45,9 @@ Durability: what survives a crash
 The current segment's file is filled with zeros ahead of its records
 (PREALLOCATE_BYTES at a time) and the records are written over them, so
 that a sync is an fdatasync that changes no metadata (no file size, no new
-blocks).
+blocks). Recovery takes an all-zero rest of a segment for that space, not
+for damage; a segment is trimmed to its records when the log rolls past it
+and at close.
 
 Writing: on Linux the records are copied into a shared mapping
 (MAP_SHARED) of the current segment's zeros, not written with pwrite(2).
@@ -57,9 +59,12 @@ engine's fast path writes each record as it is appended and answers at
 once. The mapping runs from the page holding the segment's end to the end
 of its zeros and is made again when the zeros grow; it is dropped before
 the file is cut or closed. Where a mapping cannot be made (another system,
-or mmap fails), records go by pwrite. Recovery takes an all-zero rest of a segment for that
-space, not for damage; a segment is trimmed to its records when the log
-rolls past it and at close.
+or mmap fails), records go by pwrite. The price: a page the disk fails to
+read in (or the file cut under the node, or a full copy-on-write file
+system) reaches a copy as SIGBUS, which kills the node at once, where
+pwrite's error would have stopped it with a StorageError; either way the
+record being written is never acknowledged (`qserver run` enables
+faulthandler, so the stack shows where).
 
 A full disk: those zeros are also the log's reserve. `make_room(n)` makes
 sure n bytes of zeros lie ahead (writing more zeros if needed) and says
@@ -552,9 +557,9 @@ class DiskStorage:
         """Append records (the next must be `next_trans_id`, then one by one).
 
         One copy (or write(2)) per segment touched: a process crash loses
-        nothing, a power loss what came after the last `sync()`. Starts a new segment
-        (fsyncing the full one) once the current holds `segment_bytes`, if
-        there is space for it. Records that fit in the room reserved with
+        nothing, a power loss what came after the last `sync()`. Starts a
+        new segment (fsyncing the full one) once the current holds
+        `segment_bytes`, if there is space for it. Records that fit in the room reserved with
         `make_room` never allocate; others extend the zeros first.
         Raises InvariantError on a trans_id out of order (our bug),
         StorageError if the write fails. Cost: O(bytes).
@@ -617,7 +622,8 @@ class DiskStorage:
     def append_frame(self, frame: bytes) -> None:
         """`append_frames([frame])`: one record already encoded, the next
         trans_id (the native engine's fast path, a record at a time). Within
-        the current mapping it is a copy and a few counters."""
+        the current mapping it is a copy and the counters that _write keeps,
+        written out here: this runs once per record."""
         mapped = self._map
         if mapped is not None and self._failed is None:
             seg = self._segments[-1]  # (a mapping is of the current segment)

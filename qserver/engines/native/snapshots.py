@@ -295,7 +295,7 @@ class SnapshotFiles:
             self._snapshot_failed(trans_id, f"pipe: {exc}")
             return
         started = time.perf_counter()
-        self._last_messages = sum(len(queue) for queue in self.core.store.queues.values())
+        self._last_messages = self.core.store.message_count()
         try:
             pid = os.fork()
         except OSError as exc:
