@@ -26,6 +26,7 @@ from .config import Engine as ConfigEngine
 from .engines import Engine, LeaderInfo, LocalEngine
 from .server import ClientTcpProtocol, ClientUdpProtocol
 from .service import Service
+from .state.entries import Record
 from .state.log import Log
 from .state.store import Store
 from .stats import RequestStats
@@ -72,6 +73,9 @@ class Node:
         self.storage: DiskStorage | None = None
         self.engine: Engine
         vote = (0, 0)
+        # (trans_id, vote_id) of the newest snapshot when the log was applied
+        # as it was read back (a node alone; see _recover); None otherwise.
+        self._snapshot_at: tuple[int, int] | None = None
         if config.storage_dir and config.engine is not ConfigEngine.RAFT:
             vote = self._recover(config, config.storage_dir)
         if config.engine is ConfigEngine.RAFT:
@@ -84,7 +88,8 @@ class Node:
             from .engines.native.driver import ClusterEngine
 
             self.engine = ClusterEngine(config=config, store=self.store, log_=self.log,
-                                        storage=self.storage, vote=vote)
+                                        storage=self.storage, vote=vote,
+                                        snapshot=self._snapshot_at)
         else:
             me = LeaderInfo(node_id=config.node_id, host=config.client_host, port=config.port)
             # Receipts' epoch: the start time in ms (see LocalEngine).
@@ -131,12 +136,34 @@ class Node:
     def _recover(self, config: Config, directory: str) -> tuple[int, int]:
         """Open the data directory and load the newest valid snapshot and the
         log after it. Raises StorageError (file and offset) on corruption
-        before the log's tail. Returns the persisted (vote_id, voted_for)."""
+        before the log's tail. Returns the persisted (vote_id, voted_for).
+
+        A node alone applies the log's records to its store as they are
+        read (each is committed: it is the only member), so that the
+        restart never holds the log it replays; its in-memory log then
+        starts after the last (`_snapshot_at` keeps where its snapshot is).
+        A cluster node keeps them in its log: a new master may cut them."""
         from .storage import DiskStorage
 
         self.storage = storage = DiskStorage.open(directory, config.fsync)
+        alone = all(p.node_id == config.node_id for p in config.peers)
+        store = self.store
+        applied = 0
+
+        def replay(snapshot: tuple[int, int, Any] | None) -> Callable[[list[Record]], None]:
+            if snapshot is not None:
+                store.load_wire(snapshot[2])
+
+            def apply(records: list[Record]) -> None:
+                nonlocal applied
+                for record in records:
+                    store.apply(record.entry)
+                applied += len(records)
+            return apply
+
         try:
-            recovered = storage.recover(sink_factory=self.store.snapshot_loader)
+            recovered = storage.recover(sink_factory=store.snapshot_loader,
+                                        replay=replay if alone else None)
         except BaseException:
             storage.abandon()
             raise
@@ -144,12 +171,19 @@ class Node:
             log.warning("recovery: %s", report)
         if recovered.snapshot is not None:
             trans_id, vote_id, state = recovered.snapshot
-            self.store.load_wire(state)
+            if not alone:  # (replay loaded it)
+                store.load_wire(state)
             self.log = Log(base_trans_id=trans_id, base_vote_id=vote_id)
+        if recovered.applied_to is not None:
+            self._snapshot_at = (self.log.base_trans_id, self.log.base_vote_id)
+            self.log = Log(base_trans_id=recovered.applied_to[0],
+                           base_vote_id=recovered.applied_to[1])
         for record in recovered.records:
             self.log.append(record)
-        log.info("recovered %s: snapshot at %d, %d log records after it, vote %s",
-                 config.storage_dir, self.log.base_trans_id, len(self.log), recovered.vote)
+        log.info("recovered %s: snapshot at %d, %d log records after it (%d applied as read), "
+                 "vote %s", config.storage_dir,
+                 self.log.base_trans_id if self._snapshot_at is None else self._snapshot_at[0],
+                 applied + len(self.log), applied, recovered.vote)
         return recovered.vote
 
     @property

@@ -107,6 +107,7 @@ from ..errors import InvariantError
 from ..state.entries import Record
 from .format import encode_record, encode_snapshot_chunks, encode_vote, frame_offsets
 from .recovery import (
+    Apply,
     Segment,
     StorageError,
     fit_log_to_snapshot,
@@ -169,8 +170,11 @@ class Recovered(NamedTuple):
 
     vote: tuple[int, int]  # (vote_id, voted_for); (0, 0) if none was saved
     snapshot: tuple[int, int, list] | None  # (trans_id, vote_id, state) or None
-    records: list[Record]  # the log after the snapshot, gap-free
+    records: list[Record]  # the log after the snapshot, gap-free (none when applied)
     reports: list[str]  # what was cut, removed or skipped, with file and offset
+    # (trans_id, vote_id) of the last record recover's `apply` took (then
+    # `records` is empty); None if it took none
+    applied_to: tuple[int, int] | None = None
 
 
 # -- small I/O helpers ------------------------------------------------------
@@ -409,7 +413,9 @@ class DiskStorage:
 
     # -- recovery ------------------------------------------------------------
 
-    def recover(self, sink_factory: Callable[[], Any] | None = None) -> Recovered:
+    def recover(self, sink_factory: Callable[[], Any] | None = None,
+                replay: Callable[[tuple[int, int, Any] | None], Apply] | None = None
+                ) -> Recovered:
         """Read the directory back: vote, newest valid snapshot, log after it.
 
         `sink_factory`: when given, each snapshot tried is decoded into a
@@ -417,6 +423,15 @@ class DiskStorage:
         snapshot's state in the result is that sink (`Store.snapshot_loader`
         builds the store as it reads, so a million messages are never held
         twice); otherwise the state is the wire list.
+
+        `replay`: when given, it is called with the snapshot chosen (as in
+        the result; None without one) before the log is read, and returns a
+        function that takes the log's records after the snapshot in order
+        as they are read, a block at a time, instead of the result's
+        `records` (`recovery.recover_log`: only a log that continues the
+        snapshot; `Recovered.applied_to` says how far). For a node alone,
+        whose every record is committed: its restart never holds the log it
+        replays.
 
         Cuts a torn tail (durably), removes unfinished writes, sets aside a
         corrupt snapshot; each is reported in `Recovered.reports` (and logged).
@@ -456,7 +471,9 @@ class DiskStorage:
         snapshot, skipped = read_snapshot(snapshot_files, report, sink_factory)
         base = snapshot[0] if snapshot is not None else 0
         found = recover_log([(first, self._segment_path(first)) for first in segment_ids],
-                            report, keep_after=base)
+                            report, keep_after=base,
+                            apply=None if replay is None else replay(snapshot),
+                            snapshot_vote=snapshot[1] if snapshot is not None else None)
         self._dir_dirty |= found.dir_changed
         self._dir_dirty |= settle_snapshots(snapshot_files, snapshot, skipped, found)
         found = fit_log_to_snapshot(found, snapshot, report)
@@ -465,7 +482,8 @@ class DiskStorage:
 
         self._segments = segments
         self._base = base
-        self._next_trans_id = records[-1].trans_id + 1 if records else base + 1
+        last_id = found.last_id  # (None once fit_log_to_snapshot removed the log)
+        self._next_trans_id = last_id + 1 if last_id is not None and last_id > base else base + 1
         if segments:
             last = segments[-1]
             self._index_frames(last.first, found.last_offsets)
@@ -478,7 +496,7 @@ class DiskStorage:
         self._recovered = True
         self.sync()
         self._make_vote_spare()
-        return Recovered(vote, snapshot, records, reports)
+        return Recovered(vote, snapshot, records, reports, found.applied_to)
 
     # -- the vote ------------------------------------------------------------
 

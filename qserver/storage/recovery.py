@@ -49,7 +49,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ..errors import QServerError
+from ..errors import InvariantError, QServerError
 from ..state.entries import Record
 from .format import ScanResult, decode_snapshot, decode_vote, frame_offsets, resync, scan
 
@@ -66,6 +66,7 @@ _SECTOR_BYTES = 512
 _ZERO_SECTOR = bytes(_SECTOR_BYTES)
 
 Report = Callable[[str], None]  # takes a line for `Recovered.reports`
+Apply = Callable[[list[Record]], None]  # takes the log's records as read (recover_log)
 
 
 class StorageError(QServerError):
@@ -109,6 +110,9 @@ class LogFound(NamedTuple):
     first_id: int | None = None  # trans_id of the log's first record (None: empty log)
     last_id: int | None = None  # ... and of its last
     vote_at_keep_after: int | None = None  # vote_id of the record at keep_after, if in the log
+    # (trans_id, vote_id) of the last record handed to recover_log's
+    # `apply` (then `records` is empty); None if none was
+    applied_to: tuple[int, int] | None = None
 
 
 # -- reading files -----------------------------------------------------------
@@ -172,19 +176,72 @@ def read_vote(path: str) -> tuple[int, int]:
         raise StorageError(path, 0, f"vote unreadable: {exc}") from None
 
 
+class _Kept:
+    """Where recover_log puts the records above keep_after, in order: handed
+    to `apply` as they are read once the log is known to continue the
+    snapshot (it starts at trans_id 1 without one; with one, right after it,
+    or with the snapshot's vote_id at its trans_id), else held (LogFound.
+    records). A record already kept (a damaged segment is scanned again,
+    whole) is skipped."""
+
+    __slots__ = ("apply", "keep_after", "snapshot_vote", "held", "upto", "streaming",
+                 "applied_to")
+
+    def __init__(self, apply: Apply | None, keep_after: int, snapshot_vote: int | None) -> None:
+        self.apply = apply
+        self.keep_after = keep_after
+        self.snapshot_vote = snapshot_vote
+        self.held: list[Record] = []
+        self.upto = keep_after  # trans_id of the last record kept
+        self.streaming: bool | None = None if apply is not None else False  # None: undecided
+        self.applied_to: tuple[int, int] | None = None
+
+    def add(self, records: list[Record], log_first: int, vote_at: int | None) -> None:
+        """Keep `records` (all above keep_after, in order, from a log whose
+        first record is `log_first`; `vote_at`: the vote_id seen at
+        keep_after, if any)."""
+        if records and records[0].trans_id <= self.upto:
+            records = [r for r in records if r.trans_id > self.upto]
+        if not records:
+            return
+        if self.streaming is None:  # the first records: may they be applied as read?
+            if self.keep_after == 0:
+                self.streaming = log_first == 1
+            else:
+                self.streaming = log_first == self.keep_after + 1 or (
+                    log_first <= self.keep_after and vote_at == self.snapshot_vote)
+        last = records[-1]
+        self.upto = last.trans_id
+        if self.streaming:
+            assert self.apply is not None  # (streaming is False without one)
+            self.apply(records)
+            self.applied_to = (last.trans_id, last.vote_id)
+        else:
+            self.held += records
+
+
 def recover_log(segment_files: list[tuple[int, str]], report: Report,
-                keep_after: int = 0) -> LogFound:
+                keep_after: int = 0, apply: Apply | None = None,
+                snapshot_vote: int | None = None) -> LogFound:
     """Read the segments, given as (first trans_id, path) in trans_id order.
 
     Every record is checked; only those above `keep_after` (the snapshot's
-    trans_id) are returned: the others would be decoded, held until the
-    whole log is read, and dropped. Cuts a torn tail of the last segment
+    trans_id, whose vote_id is `snapshot_vote`) are kept: the others would
+    be decoded, held until the whole log is read, and dropped. With `apply`,
+    the records kept are handed to it in order, a block at a time, as they
+    are read, when the log continues the snapshot (see _Kept; those are the
+    records fit_log_to_snapshot keeps), so that a restart never holds the
+    log it replays: a node alone applies them at once (each is committed).
+    A damaged segment stops recovery with StorageError after records before
+    the damage may have been applied; a torn tail does not. Otherwise they
+    are returned (LogFound.records). Cuts a torn tail of the last segment
     (durably) and removes a last segment left with no records; each cut is
     reported. Raises StorageError for a gap between segments or damage that
     is not a torn tail (see the module docstring). Cost: reads every
-    segment; holds one segment's bytes and the records kept.
+    segment; holds one segment's bytes and the records kept (a block's
+    with `apply`).
     """
-    records: list[Record] = []
+    kept = _Kept(apply, keep_after, snapshot_vote)
     segments: list[Segment] = []
     last_offsets: list[int] = []
     dir_changed = False
@@ -197,9 +254,16 @@ def recover_log(segment_files: list[tuple[int, str]], report: Report,
         if expect is not None and first != expect:
             raise StorageError(path, 0, f"log gap: the previous segment ends at trans_id "
                                f"{expect - 1}, this one starts at {first}")
-        streamed = _scan_blocks(path, first, keep_after)
-        if streamed is not None:  # whole frames, then nothing or zeros written ahead
-            result, offsets, allocated = streamed
+        def keep(records: list[Record], vote: int | None,
+                 log_first: int = first if first_id is None else first_id,
+                 before: int | None = vote_at) -> None:
+            """kept.add, with the vote_id at keep_after seen in this segment
+            or before it."""
+            kept.add(records, log_first, before if vote is None else vote)
+
+        blocks = _scan_blocks(path, first, keep_after, keep)
+        if blocks is not None:  # whole frames, then nothing or zeros written ahead
+            result, offsets, allocated = blocks
             good_end = result.good_end_offset
         else:  # damage: the whole file, to tell a torn tail from corruption
             buf = read_file(path)
@@ -232,6 +296,7 @@ def recover_log(segment_files: list[tuple[int, str]], report: Report,
                        f"{why}")
             offsets = frame_offsets(memoryview(buf)[:good_end])
             del buf
+            keep(result.records, result.vote_at_keep_after)  # (those kept already are skipped)
         if result.last_trans_id is None:
             expect = first
             if good_end == 0 and is_last:  # holds nothing: start afresh on append
@@ -245,22 +310,25 @@ def recover_log(segment_files: list[tuple[int, str]], report: Report,
             last_id = result.last_trans_id
         if result.vote_at_keep_after is not None:
             vote_at = result.vote_at_keep_after
-        records.extend(result.records)
         segments.append(Segment(first, path, good_end, allocated))
         last_offsets = offsets
-    return LogFound(records, segments, last_offsets, dir_changed, first_id, last_id, vote_at)
+    return LogFound(kept.held, segments, last_offsets, dir_changed, first_id, last_id, vote_at,
+                    kept.applied_to)
 
 
-def _scan_blocks(path: str, first: int, keep_after: int
+def _scan_blocks(path: str, first: int, keep_after: int,
+                 keep: Callable[[list[Record], int | None], None]
                  ) -> tuple[ScanResult, list[int], int] | None:
     """Scan a segment read in blocks: (the result, the offsets of its
     frames, the file's length) if it holds whole, valid frames followed by
     nothing or by zeros only (the space written ahead); None if it has any
     other problem (the caller reads it whole to tell a torn tail from
-    corruption). Reads into one reused buffer of _SEGMENT_BLOCK bytes (more
-    only for a longer record), not the file: nothing of a segment's size
-    is allocated and freed (which also leaves the C heap fragmented)."""
-    records: list[Record] = []
+    corruption). Each block's valid records above keep_after go to
+    `keep(records, vote_id at keep_after if seen)` as they are read (the
+    result's `records` is empty). Reads into one reused buffer of
+    _SEGMENT_BLOCK bytes (more only for a longer record), not the file:
+    nothing of a segment's size is allocated and freed (which also leaves
+    the C heap fragmented)."""
     offsets: list[int] = []
     last_id: int | None = None
     vote_at: int | None = None
@@ -281,16 +349,15 @@ def _scan_blocks(path: str, first: int, keep_after: int
                 good = result.good_end_offset - base
                 with data[:good] as frames:
                     offsets += [base + o for o in frame_offsets(frames)]
-            records += result.records
             if result.last_trans_id is not None:
                 last_id = result.last_trans_id
                 expect = last_id + 1
             if result.vote_at_keep_after is not None:
                 vote_at = result.vote_at_keep_after
+            keep(result.records, vote_at)
             problem = result.problem
             if problem is None and eof:
-                return ScanResult(records, base + good, None, last_id, vote_at), offsets, \
-                    base + good
+                return ScanResult([], base + good, None, last_id, vote_at), offsets, base + good
             if problem is None or (problem.kind == "torn" and not eof):
                 buf[:filled - good] = buf[good:filled]  # the incomplete frame to the front
                 filled -= good
@@ -304,7 +371,7 @@ def _scan_blocks(path: str, first: int, keep_after: int
                 if buf.count(0, 0, n) != n:
                     return None
                 end += n
-            return ScanResult(records, base + good, problem, last_id, vote_at), offsets, end
+            return ScanResult([], base + good, problem, last_id, vote_at), offsets, end
 
 
 def read_snapshot(snapshot_files: list[tuple[int, str]], report: Report,
@@ -381,6 +448,9 @@ def fit_log_to_snapshot(found: LogFound, snapshot: tuple[int, int, Any] | None,
             why = (f"has vote_id {found.vote_at_keep_after} at trans_id {base}, the snapshot "
                    f"{snapshot[1]}")
         if why is not None:
+            if found.applied_to is not None:  # (_Kept applies only a log that continues it)
+                raise InvariantError(f"{segments[0].path}: records applied from a log that "
+                                     f"predates the snapshot")
             for seg in segments:
                 os.unlink(seg.path)
                 report(f"{seg.path}: removed: the log {why}; it predates the snapshot "

@@ -290,7 +290,12 @@ class NativeCore:
                  me: LeaderInfo, rng: Rng, now_ms: int, timing: Timing = Timing(),
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
                  vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False,
-                 deferred_sync: bool = False, push_interval_ms: int = 0) -> None:
+                 deferred_sync: bool = False, push_interval_ms: int = 0,
+                 snapshot: tuple[int, int] | None = None) -> None:
+        # `snapshot`: (trans_id, vote_id) of the newest snapshot when the
+        # log's base is past it (a node alone that applied the log after it
+        # as it was read back: the store holds everything up to the base);
+        # None: the log's base.
         self.node_id = node_id
         self.me = me
         self.peers: dict[int, _Peer] = {p: _Peer(p) for p in peer_ids if p != node_id}
@@ -357,8 +362,13 @@ class NativeCore:
         # once persisted.
         self.deferred_sync = deferred_sync
         self.durable_id = log.last_trans_id  # our records up to here are on stable storage
-        self.snapshot_id = log.base_trans_id  # trans_id of our newest snapshot (0: none)
-        self.snapshot_vote = log.base_vote_id  # vote_id of the entry at snapshot_id
+        # trans_id of our newest snapshot (0: none), and the vote_id of its entry
+        self.snapshot_id, self.snapshot_vote = (
+            (log.base_trans_id, log.base_vote_id) if snapshot is None else snapshot)
+        if self.snapshot_id > log.base_trans_id or (self.snapshot_id < log.base_trans_id
+                                                    and self.peers):
+            raise InvariantError(f"snapshot at {self.snapshot_id} with the log's base at "
+                                 f"{log.base_trans_id} (past it only for a node alone)")
         # Reads (read_index): every push carries read_round; a read waits
         # for a majority to echo a round sent after it was asked for.
         self.read_round = 0  # master: the round pushes carry now

@@ -152,7 +152,8 @@ class ClusterEngine:
 
     def __init__(self, *, config: Config, store: Store, log_: Log,
                  storage: DiskStorage | None = None, vote: tuple[int, int] = (0, 0),
-                 timing: Timing = DEFAULT_TIMING) -> None:
+                 timing: Timing = DEFAULT_TIMING,
+                 snapshot: tuple[int, int] | None = None) -> None:
         self.config = config
         self.storage = storage
         peers = [p for p in config.peers if p.node_id != config.node_id]
@@ -167,7 +168,7 @@ class ClusterEngine:
             # async mode answers a write once it is on our disk: no deferral
             deferred_sync=(storage is not None and config.fsync is Fsync.ALWAYS
                            and config.mode is not Mode.ASYNC),
-            push_interval_ms=ASYNC_PUSH_INTERVAL_MS)
+            push_interval_ms=ASYNC_PUSH_INTERVAL_MS, snapshot=snapshot)
         # The peer links and the forwarding over them: both or neither (a
         # node alone has no peers); only the links' callbacks use forwarder.
         self.net: PeerNetwork | None = None
