@@ -177,7 +177,7 @@ async def part_single(args: argparse.Namespace, root: str, report: Report) -> No
     port = free_port()
     data_dir = os.path.join(root, "data")
     config = os.path.join(root, "node.xml")
-    _write(config, node_config(1, port, data_dir, "batch"))
+    _write(config, node_config(1, port, data_dir, "batch", log_size=args.log_size))
     log_path = os.path.join(root, "node.log")
     node = Node("single", config, port, log_path)
     monitor = {"action": 4, "queue": FILL_QUEUE}
@@ -283,6 +283,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds allowed for a start, a restart or settling (300)")
     p.add_argument("--fill-timeout", type=float, default=900.0,
                    help="seconds allowed for a fill (900)")
+    p.add_argument("--log-size", type=int, default=None,
+                   help="the single node's log_size (default qserver's; one above --messages "
+                        "writes no snapshot, so that the restart replays the whole log)")
     p.add_argument("--dir", default=None, help="where the temporary data directories go")
     p.add_argument("--keep", action="store_true", help="keep the data directories")
     return p
