@@ -257,6 +257,23 @@ def test_record_from_wire_rejects_malformed(obj):
         record_from_wire(obj)
 
 
+@pytest.mark.parametrize("obj", MALFORMED, ids=repr)
+def test_record_from_wire_rejects_a_malformed_entry(obj):
+    """record_from_wire decodes a produce to one queue inline (its fast
+    path): every malformed entry is refused there too."""
+    with pytest.raises(ValueError):
+        record_from_wire([5, 1, obj])
+
+
+@pytest.mark.parametrize("trans_id, vote_id", [
+    (0, 1), (-1, 1), (True, 1), (1.0, 1), ("1", 1), (None, 1),
+    (1, -1), (1, True), (1, 1.0), (1, None)], ids=repr)
+def test_record_from_wire_rejects_a_produce_in_a_malformed_record(trans_id, vote_id):
+    with pytest.raises(ValueError):
+        record_from_wire([trans_id, vote_id, GOOD_PRODUCE])
+    assert record_from_wire([1, 0, GOOD_PRODUCE]) == Record(1, 0, entry_from_wire(GOOD_PRODUCE))
+
+
 wire_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=False),
               st.text(max_size=3), st.binary(max_size=3)),
@@ -277,7 +294,9 @@ def test_fuzz_entry_from_wire_decodes_or_raises_value_error(obj):
     assert entry_from_wire(entry_to_wire(entry)) == entry
 
 
-@given(st.lists(wire_values, max_size=4))
+@given(st.one_of(st.lists(wire_values, max_size=4), st.lists(wire_values, max_size=7).map(
+    lambda rest: [1, 1, [1, [["q", 1]]] + rest]), st.tuples(wire_values, wire_values).map(
+    lambda pair: [pair[0], pair[1], [1, [["q", 1]], "d", 1, 2, 0]])))
 def test_fuzz_record_from_wire_decodes_or_raises_value_error(obj):
     try:
         record = record_from_wire(obj)

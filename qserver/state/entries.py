@@ -462,8 +462,30 @@ def record_to_wire(record: Record) -> list[Any]:
     return [record.trans_id, record.vote_id, entry_to_wire(record.entry)]
 
 
+_new = tuple.__new__
+_PRODUCE = int(Kind.PRODUCE)
+
+
 def record_from_wire(obj: object) -> Record:
     """Decode and validate a record; raises ValueError when malformed."""
+    if type(obj) is list and len(obj) == 3:
+        # The common record, a produce to one queue as msgpack gives it: the
+        # checks of the general path below, inline (a restart decodes every
+        # record of its log, a slave every record pushed). Anything else,
+        # valid or not, takes the general path.
+        trans_id, vote_id, e = obj
+        if (type(e) is list and len(e) == 6 and type(trans_id) is int and trans_id >= 1
+                and type(vote_id) is int and vote_id >= 0):
+            kind, targets, data, ready_ms, ttl_ms, retry_ms = e
+            if (type(kind) is int and kind == _PRODUCE and type(targets) is list
+                    and len(targets) == 1 and type(targets[0]) is list and len(targets[0]) == 2
+                    and type(data) is str and type(ready_ms) is int and ready_ms >= 0
+                    and type(ttl_ms) is int and ttl_ms >= 0 and type(retry_ms) is int
+                    and retry_ms >= 0):
+                name, msg_id = targets[0]
+                if type(name) is str and type(msg_id) is int and msg_id >= 1:
+                    return _new(Record, (trans_id, vote_id, _new(Produce, (
+                        ((name, msg_id),), data, ready_ms, ttl_ms, retry_ms))))
     if not isinstance(obj, (list, tuple)) or len(obj) != 3:
         raise ValueError("record must be [trans_id, vote_id, entry]")
     return Record(trans_id=_id(obj[0], "trans_id"), vote_id=_int(obj[1], "vote_id"),

@@ -81,8 +81,8 @@ _PR_SET_PDEATHSIG = 1
 
 # A node alone waits for at most this many log_size runs of entries between
 # snapshots (see snapshot_due): it bounds the log that a restart replays
-# (applied as it is read, not held: node._recover), about 100,000 records a
-# second, so 4 s at the default log_size.
+# (applied as it is read, not held: node._recover), at about 200,000 records
+# a second: 2 s at the default log_size.
 LONE_SNAPSHOT_MAX_LOGS = 4
 # ...and writes one anyway, once log_size entries came since the newest,
 # when it has applied nothing for this long: a restart after the writes
