@@ -77,6 +77,27 @@ def test_replay_hands_over_what_recovery_returns_as_it_reads(tmp_path, monkeypat
         assert len(replay.calls) > 5
 
 
+@pytest.mark.parametrize("older", ["removed", "kept"])
+def test_a_snapshot_at_a_segment_end_is_continued_and_handed_over(tmp_path, older):
+    """The snapshot ends a segment: once that segment is gone (as writing
+    the snapshot removes it) the log starts right after the snapshot; while
+    it is there, its last record carries the snapshot's vote_id, seen in
+    the segment before the first record handed over. Either way the log
+    continues the snapshot and goes to `replay`, none of it held."""
+    src = tmp_path / "src"
+    write(src, 40, segment_bytes=400)
+    firsts = [int(f.name[4:24]) for f in segment_files(src)]
+    snap = firsts[1] - 1
+    blob = b"".join(fmt.encode_snapshot_chunks(snap, 1, state_for(snap)))
+    (src / f"snapshot-{snap:020d}.snap").write_bytes(blob)
+    if older == "removed":
+        segment_files(src)[0].unlink()
+    held, replayed, replay, (next_a, next_b) = recover_both(src, tmp_path, segment_bytes=400)
+    assert held.records == recs(snap + 1, 40) and held.reports == []
+    assert replay.records == held.records and replayed.records == []
+    assert replayed.applied_to == (40, 1) and next_a == next_b == 41
+
+
 @pytest.mark.parametrize("block", [64, 1 << 22])
 @pytest.mark.parametrize("damage", ["torn", "zeros_then_records"])
 def test_a_torn_tail_after_records_handed_over_gives_each_once(tmp_path, monkeypatch, block,

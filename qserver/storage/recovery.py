@@ -108,7 +108,8 @@ class Segment:
 class LogFound(NamedTuple):
     """What `recover_log` (and then `fit_log_to_snapshot`) kept of the log."""
 
-    records: list[Record]  # every record kept (above keep_after), in trans_id order
+    records: list[Record]  # every record kept (above keep_after), in trans_id order;
+    # none of those handed to recover_log's `apply` (see applied_to)
     segments: list[Segment]  # the segments that hold the log, oldest first
     last_offsets: list[int]  # where the last segment's valid frames start ([] if none)
     dir_changed: bool  # a segment file was removed: the directory needs an fsync
