@@ -15,7 +15,7 @@ from procs import NodeProcess, TcpClient
 from qserver.state.entries import Record
 from qserver.storage import DiskStorage, StorageError, recovery
 from qserver.storage import format as fmt
-from test_snapshots import start_single
+from test_snapshots import produce_each, start_single
 from test_storage_disk import recs, segment_files, state_for
 
 
@@ -165,8 +165,7 @@ def test_a_node_alone_replays_its_log_into_the_store_as_it_reads(tmp_path):
     port = node.port
     try:
         c = TcpClient(port)
-        for i in range(300):
-            assert c.request(action=1, queue="s", data=f"m{i}")["code"] == 0
+        produce_each(c, 300)
         assert c.request(action=2, queue="s")["data"] == "m0"  # (retry 0: gone)
         before = c.request(action=104, queue="s")
         assert before["snapshot"]["snapshot_id"] == 0 and before["size"] == 299

@@ -12,7 +12,7 @@ import pytest
 
 from procs import NodeProcess, TcpClient, wait_until
 from qserver.engines.native.snapshots import LONE_SNAPSHOT_MAX_LOGS, snapshot_due
-from test_snapshots import replayed_state, start_single
+from test_snapshots import produce_each, replayed_state, start_single
 
 
 @pytest.mark.parametrize("since, last, cluster, alone", [
@@ -42,8 +42,7 @@ def test_a_node_alone_spaces_its_snapshots_as_its_store_grows(tmp_path):
     port = node.port
     try:
         c = TcpClient(port)
-        for i in range(1000):
-            assert c.request(action=1, queue="s", data=f"m{i}")["code"] == 0
+        produce_each(c, 1000)
         before = c.request(action=104, queue="s")
         # quiet: less than log_size behind (a snapshot of everything, unless
         # the last one due came within log_size of the end)
@@ -93,13 +92,11 @@ def test_a_quiet_node_alone_snapshots_what_came_since_its_last(tmp_path):
                 return m if seen[-1][0] - seen[0][0] >= 2.5 else None
             return wait_until(still, step_s=0.1)
 
-        for i in range(300):
-            assert c.request(action=1, queue="s", data=f"m{i}")["code"] == 0
+        produce_each(c, 300)
         first = quiet()
         since = first["trans_id"] - first["snapshot"]["snapshot_id"]
         assert first["snapshot"]["snapshot_id"] > 101 and since < 50, first
-        for i in range(75 - since):
-            assert c.request(action=1, queue="s", data=f"n{i}")["code"] == 0
+        produce_each(c, 75 - since, "n")
         last = monitor()["trans_id"]
         assert last - first["snapshot"]["snapshot_id"] == 75
         snap = wait_until(lambda: (lambda s: s["snapshot_id"] == last and s)(

@@ -31,6 +31,13 @@ def start_single(tmp_path: Path, log_size: int) -> tuple[NodeProcess, Path, Path
     return node, data, cfg
 
 
+def produce_each(c: TcpClient, n: int, prefix: str = "m") -> None:
+    """n produces to queue "s", one at a time (data prefix + index), each
+    answered with code 0."""
+    for i in range(n):
+        assert c.request(action=1, queue="s", data=f"{prefix}{i}")["code"] == 0
+
+
 def replayed_state(data: Path) -> tuple[int, list]:
     """What a node's data directory holds: (last trans_id, store state), read
     back as a restart would (snapshot, then the log after it)."""
