@@ -247,5 +247,5 @@ def test_a_log_file_cut_under_the_node_stops_it_loudly(tmp_path):
     finally:
         node.kill()
     assert node.proc.returncode == -signal.SIGBUS
-    assert "Bus error" in node.stderr_text and "append_frame" in node.stderr_text, \
+    assert "Bus error" in node.stderr_text and "append_payload" in node.stderr_text, \
         node.stderr_text[-2000:]

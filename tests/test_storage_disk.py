@@ -354,7 +354,7 @@ def test_append_frames_writes_what_append_writes(tmp_path, segment_bytes):
     one segment or rolling through several."""
     plain, _ = open_dir(tmp_path / "plain", segment_bytes=segment_bytes)
     framed, _ = open_dir(tmp_path / "framed", segment_bytes=segment_bytes)
-    single, _ = open_dir(tmp_path / "single", segment_bytes=segment_bytes)  # append_frame
+    single, _ = open_dir(tmp_path / "single", segment_bytes=segment_bytes)  # append_payload
     sizes = random.Random(7).choices([0, 1, 2, 5, 9, 30], k=40)
     t = 1
     for i, n in enumerate(sizes):
@@ -362,7 +362,7 @@ def test_append_frames_writes_what_append_writes(tmp_path, segment_bytes):
         plain.append(batch)
         framed.append_frames([fmt.encode_record(r) for r in batch])
         for r in batch:
-            single.append_frame(fmt.encode_record(r))
+            single.append_payload(fmt.encode_payload(*r))
         t += n
         if i == 25:  # back into an earlier segment, then on
             for storage in (plain, framed, single):
@@ -401,15 +401,15 @@ def test_records_copied_into_the_mapping_survive_a_crash_and_cuts(tmp_path, monk
     more records, a crash without sync: recovery reads them all back."""
     counted = _record_writes(monkeypatch)
     storage, _ = open_dir(tmp_path, fsync="off", segment_bytes=8 << 20)
-    frames = [fmt.encode_record(rec(t)) for t in range(1, 40_001)]
-    assert sum(map(len, frames)) > PREALLOCATE_BYTES
-    for frame in frames:
-        storage.append_frame(frame)
+    payloads = [fmt.encode_payload(*rec(t)) for t in range(1, 40_001)]
+    assert sum(map(len, payloads)) > PREALLOCATE_BYTES
+    for payload in payloads:
+        storage.append_payload(payload)
     if sys.platform == "linux":
         assert counted == []
     storage.truncate_after(cut)
     for r in recs(cut + 1, cut + 70, vote_id=2):
-        storage.append_frame(fmt.encode_record(r))
+        storage.append_payload(fmt.encode_payload(*r))
     storage.abandon()  # no sync, no close: the page cache holds the copies
     _, got = open_dir(tmp_path, segment_bytes=8 << 20)
     assert got.records == recs(1, cut) + recs(cut + 1, cut + 70, vote_id=2)
@@ -424,9 +424,9 @@ def test_records_go_by_pwrite_where_no_mapping_can_be_made(tmp_path, monkeypatch
     counted = _record_writes(monkeypatch)
     storage, _ = open_dir(tmp_path, fsync="off")
     for r in recs(1, 40):
-        storage.append_frame(fmt.encode_record(r))
+        storage.append_payload(fmt.encode_payload(*r))
     storage.append(recs(41, 60))
-    assert len(counted) >= 41  # each append_frame, then at least one append
+    assert len(counted) >= 41  # each append_payload, then at least one append
     storage.abandon()
     assert open_dir(tmp_path)[1].records == recs(1, 60)
 

@@ -16,6 +16,7 @@ from qserver.state.store import Store
 from qserver.storage import format as fmt
 from qserver.wire.requests import ProduceRequest
 from test_core_purity import CORE
+from test_entries import records as any_records
 
 
 def make_records(n: int, start: int = 1, vote_id: int = 1) -> list[Record]:
@@ -121,6 +122,23 @@ def test_encode_record_refuses_what_it_could_not_read_back(monkeypatch):
     monkeypatch.setattr(fmt, "MAX_RECORD_BYTES", 10)
     with pytest.raises(ValueError):
         fmt.encode_record(make_records(1)[0])
+    with pytest.raises(ValueError):
+        fmt.encode_payload(*make_records(1)[0])
+
+
+@given(any_records)
+def test_a_record_of_any_kind_is_encoded_as_record_to_wire_says(record):
+    """encode_payload (the fast path's encoder, whose frame header
+    DiskStorage.append_payload writes in place) gives record_to_wire's
+    bytes for every kind of entry, and encode_record frames exactly them."""
+    from qserver.state.entries import record_to_wire
+
+    payload = msgpack.packb(record_to_wire(record))
+    assert fmt.encode_payload(*record) == payload
+    frame = struct.pack(">II", len(payload), zlib.crc32(payload)) + payload
+    assert fmt.encode_record(record) == frame
+    assert fmt.FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) == frame[:8]
+    assert fmt.scan(frame).records == [record]
 
 
 def test_resync_finds_the_next_valid_frame_only():

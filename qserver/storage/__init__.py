@@ -17,10 +17,18 @@ from .disk import (
     unlink_quietly,
     write_snapshot_file,
 )
-from .format import decode_snapshot, encode_record, record_size_bound, store_wire_iter
+from .format import (
+    FRAME_HEADER_BYTES,
+    decode_snapshot,
+    encode_payload,
+    encode_record,
+    record_size_bound,
+    store_wire_iter,
+)
 from .kernel_sync import KernelSync
 
 __all__ = ["DiskStorage", "KernelSync", "Recovered", "StorageError", "SEGMENT_BYTES",
-           "store_wire_iter", "decode_snapshot", "encode_record", "record_size_bound",
+           "store_wire_iter", "decode_snapshot", "encode_payload", "encode_record",
+           "FRAME_HEADER_BYTES", "record_size_bound",
            "snapshot_file_name", "unlink_quietly", "write_snapshot_file", "private_tmp_dir",
            "remove_private_tmp_dir"]

@@ -101,11 +101,19 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple, overload
+from zlib import crc32
 
 from ..config import Fsync
 from ..errors import InvariantError
 from ..state.entries import Record
-from .format import encode_record, encode_snapshot_chunks, encode_vote, frame_offsets
+from .format import (
+    FRAME_HEADER,
+    FRAME_HEADER_BYTES,
+    encode_record,
+    encode_snapshot_chunks,
+    encode_vote,
+    frame_offsets,
+)
 from .recovery import (
     Apply,
     Segment,
@@ -147,6 +155,9 @@ _ZEROS = bytes(PREALLOCATE_BYTES)
 # next (see _cut_offset), while the fast path's one-record writes add no
 # mark each.
 MARK_SPACING = 64
+
+# append_payload's frame header, written into the mapping.
+_pack_header_into = FRAME_HEADER.pack_into
 
 # errnos that mean "no space": the write may be tried again once space is
 # freed (every other write error stops the node).
@@ -637,18 +648,25 @@ class DiskStorage:
             self._write(seg, b"".join(frames), len(frames), first)
         self._next_trans_id = expect
 
-    def append_frame(self, frame: bytes) -> None:
-        """`append_frames([frame])`: one record already encoded, the next
-        trans_id (the native engine's fast path, a record at a time). Within
-        the current mapping it is a copy and the counters that _write keeps,
-        written out here: this runs once per record."""
+    def append_payload(self, payload: bytes) -> None:
+        """`append_frames` of one record's frame, given its payload
+        (`encode_payload`), the next trans_id: the native engine's fast
+        path, a record at a time. Within the current mapping it is a copy
+        of the payload and one of the frame's header, packed in place (no
+        frame is joined first), and the counters that _write keeps,
+        written out here: this runs once per record. A kill -9 between
+        the two copies leaves a torn tail that recovery cuts, as one
+        inside a single copy could; the record was not answered yet."""
         mapped = self._map
         if mapped is not None and self._failed is None:
             seg = self._segments[-1]  # (a mapping is of the current segment)
             start = seg.size
-            end = start + len(frame)
+            size = len(payload)
+            end = start + FRAME_HEADER_BYTES + size
             if end <= self._map_end and end <= self.segment_bytes:  # (else it may roll)
-                mapped[start - self._map_start:end - self._map_start] = frame
+                at = start - self._map_start
+                mapped[at + FRAME_HEADER_BYTES:end - self._map_start] = payload
+                _pack_header_into(mapped, at, size, crc32(payload))
                 first = self._next_trans_id
                 ids = self._mark_ids
                 if not ids or first - ids[-1] >= MARK_SPACING:
@@ -660,7 +678,7 @@ class DiskStorage:
                 self._appends += 1
                 self.records_written += 1
                 return
-        self.append_frames([frame])
+        self.append_frames([FRAME_HEADER.pack(len(payload), crc32(payload)) + payload])
 
     def _write(self, seg: Segment, data: bytes, count: int, first: int) -> None:
         """Write `count` frames (`data`; the first is trans_id `first`) at

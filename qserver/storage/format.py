@@ -81,7 +81,6 @@ from ..state.entries import (
     Record,
     entry_to_wire,
     record_from_wire,
-    record_to_wire,
 )
 
 if TYPE_CHECKING:
@@ -90,9 +89,11 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_RECORD_BYTES",
     "MAX_SNAPSHOT_CHUNK_BYTES",
+    "FRAME_HEADER",
     "FRAME_HEADER_BYTES",
     "Problem",
     "ScanResult",
+    "encode_payload",
     "encode_record",
     "encode_records",
     "record_size_bound",
@@ -113,7 +114,8 @@ __all__ = [
 # record whose end has yet to arrive.
 MAX_RECORD_BYTES = 128 * 1024 * 1024
 
-_FRAME = struct.Struct(">II")  # length, crc32 of the payload
+# A frame's header: the payload's length and its crc32 (zlib.crc32).
+FRAME_HEADER = _FRAME = struct.Struct(">II")
 FRAME_HEADER_BYTES = _FRAME.size
 
 # record_to_wire gives a 3-element list, which msgpack encodes as a fixarray:
@@ -147,10 +149,12 @@ _pack = msgpack.Packer().pack
 _PRODUCE = int(Kind.PRODUCE)
 
 
-def encode_record(record: Record) -> bytes:
-    """One record as a frame. Raises ValueError if it is over MAX_RECORD_BYTES
-    (it could never be read back)."""
-    trans_id, vote_id, entry = record
+def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
+    """The payload of the frame `encode_record` makes for the record
+    (trans_id, vote_id, entry): for a writer that puts the frame's header
+    beside it (DiskStorage.append_payload) instead of joining the two.
+    Raises ValueError if it is over MAX_RECORD_BYTES (it could never be
+    read back)."""
     if type(entry) is Produce:
         # record_to_wire's list, built here for the most common entry (its
         # fields in order, unpacked: targets, data, ready_ms, ttl_ms,
@@ -158,10 +162,17 @@ def encode_record(record: Record) -> bytes:
         # that record_to_wire's lists are (the same bytes; a test holds it).
         payload: bytes = _pack([trans_id, vote_id, [_PRODUCE, *entry]])
     else:
-        payload = _pack(record_to_wire(record))
+        payload = _pack([trans_id, vote_id, entry_to_wire(entry)])
     if len(payload) > MAX_RECORD_BYTES:
         raise ValueError(f"record {trans_id} is {len(payload)} bytes, "
                          f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
+    return payload
+
+
+def encode_record(record: Record) -> bytes:
+    """One record as a frame. Raises ValueError if it is over MAX_RECORD_BYTES
+    (it could never be read back)."""
+    payload = encode_payload(*record)
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 

@@ -310,7 +310,7 @@ class NativeCore:
         # log_size; a node alone has no slave, so it keeps only a few
         # (log.LONE_LOG_RECORDS).
         self.log_size = log_size if self.peers else min(log_size, LONE_LOG_RECORDS)
-        self._compact_above = self.log_size + COMPACT_SLACK  # (append_record_now's test)
+        self._compact_above = self.log_size + COMPACT_SLACK  # (append_entry_now's test)
         self._apply_by_kind = store.apply_by_kind  # Store.apply without its dispatch call
         self.vote_id = vote_id  # current epoch; persisted with voted_for
         self.voted_for = voted_for  # whom we voted for in vote_id (0: nobody)
@@ -582,29 +582,25 @@ class NativeCore:
         fast path (ClusterEngine.commit_now): the same log and state as
         `propose` then `take_ready`, without the callback or the turn's
         wait."""
-        record = self.next_record(entry)
-        return record, self.append_record_now(record)
+        result = self.append_entry_now(entry)
+        return self.log.records[-1], result
 
-    def next_record(self, entry: Entry) -> Record:
-        """The record `append_now(entry)` would append now (nothing changes):
-        for a caller that encodes it before it is appended (the adapter's
-        fast path reserves its exact size on disk first)."""
-        return self.log.next_record(entry, self.vote_id)
-
-    def append_record_now(self, record: Record) -> object:
-        """`append_now` of the record `next_record` made, with nothing
-        appended since; returns what apply returned."""
+    def append_entry_now(self, entry: Entry) -> object:
+        """`append_now` without the record in the result: what apply
+        returned. The record is (log.last_trans_id + 1, vote_id, entry) as
+        of the call, which the adapter's fast path encodes first (it
+        reserves the exact size on disk before anything is appended)."""
+        ready = self.ready
         if (self.role is not Role.MASTER or self.deferred_sync or self.transfer is not None
                 or (self.peers and not self.async_mode)
-                or self.ready.records or self.ready.truncate_after is not None
-                or self.ready.snapshot is not None or record.vote_id != self.vote_id):
+                or ready.records or ready.truncate_after is not None
+                or ready.snapshot is not None):
             raise InvariantError("append_now needs a master alone or in async mode, nothing "
                                  "deferred, no transfer and no log change pending in the Ready")
         log = self.log
-        log.append(record)  # (it checks the trans_id)
+        record = log.append_entry(entry, self.vote_id)
         if self.peers:
             return self._apply_speculative(record)
-        entry = record.entry
         apply = self._apply_by_kind.get(type(entry))
         result = self.store.apply(entry) if apply is None else apply(entry, None)
         self.applied_id = self.commit_id = record.trans_id

@@ -36,12 +36,13 @@ record is written, without waiting for another node; it needs no Ready, no
 callback and no answer closure for that. While it is master, its storage
 works and the log's room takes more than one request's record,
 `commits_at_once` is on and the service calls `commit_now`, which appends
-and applies the entry (`NativeCore.append_now`; alone it also commits) and
-returns the result: the service builds the answer in the same call, as a
-node in memory does. With storage, each record is encoded once, before it
-is appended (`NativeCore.next_record`; the fast path keeps more room in
-the log than any one record takes), and written at once, in that call: a
-copy into the log's mapping (`DiskStorage.append_frame`), so the answer
+and applies the entry (`NativeCore.append_entry_now`; alone it also
+commits) and returns the result: the service builds the answer in the same
+call, as a node in memory does. With storage, each record is encoded once,
+before it is appended (`encode_payload`, of the trans_id and vote_id it
+will have; the fast path keeps more room in the log than any one record
+takes), and written at once, in that call: a copy into the log's mapping
+(`DiskStorage.append_payload`), so the answer
 leaves with its record in the page cache, as on the general path (the
 batch timer fsyncs it later). Pushes to the slaves go out with the turn's
 Ready, as for proposals. A write that takes the general path (propose: a
@@ -73,7 +74,13 @@ from ...state.entries import Entry
 from ...state.log import Log
 from ...state.store import SnapshotLoader, Store
 from ...stats import Histogram
-from ...storage import DiskStorage, StorageError, encode_record, record_size_bound
+from ...storage import (
+    FRAME_HEADER_BYTES,
+    DiskStorage,
+    StorageError,
+    encode_payload,
+    record_size_bound,
+)
 from ...tls import peer_contexts
 from ..base import (
     Cancel,
@@ -318,21 +325,24 @@ class ClusterEngine:
         storage = self.storage
         core = self.core
         if storage is None:
-            result = core.append_now(entry)[1]
+            result = core.append_entry_now(entry)
             if not self._flush_scheduled:  # the push to the slaves
                 self._schedule_flush()
             return result
-        record = core.next_record(entry)
-        frame = encode_record(record)  # once: its size checked against the room, then written
-        budget = self._fast_budget - len(frame)
+        # Encoded once, as the record append_entry_now appends will be: its
+        # size checked against the room, then written.
+        trans_id = core.log.last_trans_id + 1
+        payload = encode_payload(trans_id, core.vote_id, entry)
+        size = FRAME_HEADER_BYTES + len(payload)
+        budget = self._fast_budget - size
         # Within the budget, the log's room holds this record and more than
         # one request's beyond it; past it, look at the room itself.
-        if budget < 0 and storage.room < len(frame) + DISK_MARGIN_BYTES:
+        if budget < 0 and storage.room < size + DISK_MARGIN_BYTES:
             # _update_fast_path keeps more room than one request can need
             raise InvariantError("commit_now without room for its record")
-        result = core.append_record_now(record)
+        result = core.append_entry_now(entry)
         try:
-            storage.append_frame(frame)
+            storage.append_payload(payload)
         except StorageError as exc:
             self._fail(exc)  # the node stops; the answer is never written
             raise
@@ -342,7 +352,7 @@ class ClusterEngine:
             durability.after_write(OwnSync.BEFORE_SEND)  # (arms the batch timer)
         if budget < 0:
             self._update_fast_path()
-        if (self.net is not None or record.trans_id >= self._check_at) \
+        if (self.net is not None or trans_id >= self._check_at) \
                 and not self._flush_scheduled:
             self._schedule_flush()
         return result
