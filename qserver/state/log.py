@@ -84,14 +84,9 @@ class Log:
         records.append(record)
         return record
 
-    def next_record(self, entry: Entry, vote_id: int) -> Record:
-        """The record `append_entry(entry, vote_id)` would append now
-        (nothing changes): for a caller that encodes it first. O(1)."""
-        return _new(Record, (self.base_trans_id + len(self.records) + 1, vote_id, entry))
-
     def append(self, record: Record) -> None:
-        """Append a record received from elsewhere, or made by `next_record`;
-        it must be the next. O(1)."""
+        """Append a record received from elsewhere (or read back from
+        disk); it must be the next. O(1)."""
         records = self.records
         if record.trans_id != self.base_trans_id + len(records) + 1:  # (runs on every write)
             raise InvariantError(f"append of trans_id {record.trans_id} after {self.last_trans_id}")
