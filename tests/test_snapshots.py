@@ -5,9 +5,11 @@ through a snapshot streamed in chunks, ending with the master's state."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from procs import Cluster, NodeProcess, TcpClient, wait_until
+from qserver.engines.native import snapshots
 from test_snapshot_replay import recovered
 
 DATA = "x" * 1000  # 1 kB messages: a few thousand make a multi-chunk snapshot
@@ -132,3 +134,27 @@ def test_slave_behind_the_log_catches_up_through_a_streamed_snapshot(tmp_path):
             node.stop()  # SIGTERM: every node flushes its log
     states = {i: replayed_state(tmp_path / f"data{i}") for i in range(1, 4)}
     assert states[behind] == states[m]
+
+
+def test_the_snapshot_writer_runs_below_the_nodes_cpu_priority():
+    """The forked writer's setup (snapshots._child_setup, which
+    _fork_snapshot runs in the child) raises its niceness by
+    SNAPSHOT_WRITER_NICE (19 at most): on a busy machine it leaves the
+    cores to the node's requests."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its niceness after the writer's setup
+        try:
+            os.close(r)
+            snapshots._child_setup()
+            os.write(w, str(os.nice(0)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 16)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert snapshots.SNAPSHOT_WRITER_NICE > 0
+    assert int(got) == min(os.nice(0) + snapshots.SNAPSHOT_WRITER_NICE, 19)
