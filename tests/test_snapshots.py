@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from procs import Cluster, NodeProcess, TcpClient, wait_until
 from qserver.engines.native import snapshots
 from test_snapshot_replay import recovered
@@ -109,8 +111,10 @@ def test_slave_behind_the_log_catches_up_through_a_streamed_snapshot(tmp_path):
             got = [client.request(action=2, queue=q)["msg_id"] for _ in range(200)]
             for msg_id in got[:100]:
                 assert client.request(action=3, queue=q, msg_id=msg_id)["code"] == 0
-        master_view = client.request(action=104)
-        assert master_view["snapshot"]["taken"] >= 1
+        # the writer runs below the node's priority (SNAPSHOT_WRITER_NICE):
+        # on a busy machine its snapshot may come a while after the writes
+        master_view = wait_until(lambda: (lambda v: v["snapshot"]["taken"] >= 1 and v)(
+            client.request(action=104)), deadline_s=60)
         # the slave's log ends far before what the master still holds
         assert master_view["trans_id"] - master_view["log_size"] > 10
 
@@ -156,5 +160,8 @@ def test_the_snapshot_writer_runs_below_the_nodes_cpu_priority():
     finally:
         os.close(r)
         os.waitpid(pid, 0)
+    assert got, "the child failed before it reported its niceness"
     assert snapshots.SNAPSHOT_WRITER_NICE > 0
+    if os.nice(0) >= 19:
+        pytest.skip("this test already runs at the lowest priority (nice 19)")
     assert int(got) == min(os.nice(0) + snapshots.SNAPSHOT_WRITER_NICE, 19)

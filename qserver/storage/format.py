@@ -8,7 +8,8 @@ about apart from the disk. `qserver.storage.disk` does the I/O and decides
 what a problem found here means (a torn tail to cut, or corruption that stops
 the node).
 
-Record frame (the log, `encode_record` / `scan`)::
+Record frame (the log, `encode_record` / `scan`; `encode_payload` gives the
+payload alone, for a writer that packs the header, FRAME_HEADER, in place)::
 
     [u32 length][u32 crc32 of payload][payload = msgpack(record_to_wire(record))]
 
