@@ -113,6 +113,7 @@ from .format import (
     encode_snapshot_chunks,
     encode_vote,
     frame_offsets,
+    framed,
 )
 from .recovery import (
     Apply,
@@ -678,7 +679,7 @@ class DiskStorage:
                 self._appends += 1
                 self.records_written += 1
                 return
-        self.append_frames([FRAME_HEADER.pack(len(payload), crc32(payload)) + payload])
+        self.append_frames([framed(payload)])
 
     def _write(self, seg: Segment, data: bytes, count: int, first: int) -> None:
         """Write `count` frames (`data`; the first is trans_id `first`) at

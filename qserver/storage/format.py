@@ -82,6 +82,7 @@ from ..state.entries import (
     Record,
     entry_to_wire,
     record_from_wire,
+    record_to_wire,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ __all__ = [
     "ScanResult",
     "encode_payload",
     "encode_record",
+    "framed",
     "encode_records",
     "record_size_bound",
     "scan",
@@ -163,18 +165,22 @@ def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
         # that record_to_wire's lists are (the same bytes; a test holds it).
         payload: bytes = _pack([trans_id, vote_id, [_PRODUCE, *entry]])
     else:
-        payload = _pack([trans_id, vote_id, entry_to_wire(entry)])
+        payload = _pack(record_to_wire(Record(trans_id, vote_id, entry)))
     if len(payload) > MAX_RECORD_BYTES:
         raise ValueError(f"record {trans_id} is {len(payload)} bytes, "
                          f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
     return payload
 
 
+def framed(payload: bytes) -> bytes:
+    """The frame that holds `payload`: its header, then the payload."""
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
 def encode_record(record: Record) -> bytes:
     """One record as a frame. Raises ValueError if it is over MAX_RECORD_BYTES
     (it could never be read back)."""
-    payload = encode_payload(*record)
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    return framed(encode_payload(*record))
 
 
 # record_size_bound: a frame header, the record's 3-element list header, and

@@ -84,6 +84,10 @@ _PR_SET_PDEATHSIG = 1
 # (applied as it is read, not held: node._recover), at about 200,000 records
 # a second: 2 s at the default log_size.
 LONE_SNAPSHOT_MAX_LOGS = 4
+# ...and writes one anyway, once log_size entries came since the newest,
+# when it has applied nothing for this long: a restart after the writes
+# stop then replays next to nothing (SnapshotFiles.maybe_write).
+LONE_QUIET_S = 0.25
 
 # The forked writer's niceness above the node's (an os.nice increment): on a
 # busy machine it leaves the cores to the node and its clients, whose
@@ -96,10 +100,6 @@ LONE_SNAPSHOT_MAX_LOGS = 4
 # alternating: 0.64, 0.65, 0.65, 0.62 (TCP) and 0.57, 0.64, 0.67, 0.64
 # (UDP) without, 0.66, 0.65, 0.68, 0.65 and 0.67, 0.70, 0.68, 0.65 with.
 SNAPSHOT_WRITER_NICE = 10
-# ...and writes one anyway, once log_size entries came since the newest,
-# when it has applied nothing for this long: a restart after the writes
-# stop then replays next to nothing (SnapshotFiles.maybe_write).
-LONE_QUIET_S = 0.25
 
 
 def snapshot_due(applied_since: int, log_size: int, alone: bool, last_messages: int) -> bool:
