@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # Generous: a cold Python start on a loaded 2-core machine can take seconds.
@@ -112,6 +112,22 @@ def write_config(path: Path, port: int, extra: str = "", node_id: int = 1) -> Pa
 # The clients open while a test runs (None outside `clients_closed_at_end`:
 # a bench keeps none).
 _open_clients: set[TcpClient | UdpClient] | None = None
+
+
+def sockets_to(port: int) -> int:
+    """How many TCP sockets this process holds open to 127.0.0.1:`port`
+    (its descriptors' sockets, matched in /proc/net/tcp by inode)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with suppress(OSError):  # closed meanwhile (listdir's own, say)
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    wanted = f"0100007F:{port:04X}"
+    with open("/proc/net/tcp") as table:
+        next(table)  # the header
+        return sum(1 for row in map(str.split, table)
+                   if row[2] == wanted and row[9] in inodes)
 
 
 @contextmanager

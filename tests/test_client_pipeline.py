@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from procs import until_async, wait_until
+from procs import sockets_to, until_async, wait_until
 from qserver.client import AsyncClient, Client
 from qserver.errors import ClientConnectionError, ClientTimeout, Unauthorized
 
@@ -189,6 +189,24 @@ def test_many_tasks_get_their_own_answers(node):
             assert {"many", "many_b", "many_d"} <= {q["name"] for q in listed}
             assert [d.data for d in consumed] == [f"d{i}" for i in range(10)]
             assert all(await asyncio.gather(*(d.confirm() for d in consumed)))
+
+    asyncio.run(main())
+
+
+def test_close_returns_once_the_sockets_are_closed(node):
+    """Not left to the end of the event loop (or past it, to the garbage
+    collector: a ResourceWarning): the shared connection and an idle long
+    poll's are closed when close() returns, and a later call opens anew."""
+    async def main() -> None:
+        c = AsyncClient(host(node), retry_for=DEADLINE_S)
+        assert await c.produce("closing", "a") == 1
+        assert await c.consume("closing_empty", wait=0.1) is None  # a lane of its own
+        assert sockets_to(node.port) == 2
+        await c.close()
+        assert sockets_to(node.port) == 0
+        async with c:
+            assert await c.produce("closing", "b") == 2
+        assert sockets_to(node.port) == 0
 
     asyncio.run(main())
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import ssl
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import IO_TIMEOUT_S, Cluster, NodeProcess, free_port, write_config
+from procs import IO_TIMEOUT_S, Cluster, NodeProcess, free_port, sockets_to, write_config
 from qserver.client import AsyncClient, Client
 from qserver.errors import ClientConnectionError, InvalidArgument, Unauthorized
 from tlsutil import Pki, make_ca, make_pki
@@ -95,11 +96,17 @@ def test_client_produces_and_consumes_over_tls(procs, tmp_path, pki):
         assert c.monitor("tq")["size"] == 1001
 
     async def main() -> None:
+        errors: list[dict] = []  # what the event loop would log: an error in a callback
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
         async with AsyncClient(hosts(node), tls_ca=str(pki.ca)) as ac:  # the CA implies TLS
             assert await ac.produce("tq", "async") == 2002
             assert len(await ac.consume("tq", count=1000)) == 1000
             big = await ac.consume("tq")
             assert big is not None and big.data == "x" * 100_000
+        # closed once close() returns, the close_notify exchanged (not left
+        # to the garbage collector after the loop: a ResourceWarning)
+        assert sockets_to(node.port) == 0
+        assert errors == []
 
     asyncio.run(main())
     # the name in the certificate, by tls_server_hostname, and by an ssl_context
@@ -108,6 +115,25 @@ def test_client_produces_and_consumes_over_tls(procs, tmp_path, pki):
     context = ssl.create_default_context(cafile=str(pki.ca))
     with Client(hosts(node), ssl_context=context, tls_server_hostname="localhost") as c:
         assert c.consume("tq").data == "async"
+
+
+def test_closing_does_not_wait_for_a_node_that_does_not_answer(procs, tmp_path, pki):
+    """A stopped node never answers the close_notify: close() aborts the
+    connection (after CLOSE_WAIT_S) rather than wait for it, and returns
+    with the socket closed."""
+    node = procs(tmp_path, tls_xml(pki))
+
+    async def main() -> None:
+        ac = AsyncClient(hosts(node), tls_ca=str(pki.ca))
+        assert await ac.produce("tq", "a") == 1
+        node.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(ac.close(), 60)  # asyncio alone: 30 s, then a warning
+            assert sockets_to(node.port) == 0
+        finally:
+            node.proc.send_signal(signal.SIGCONT)
+
+    asyncio.run(main())
 
 
 def test_a_client_without_tls_fails_cleanly(procs, tmp_path, pki):

@@ -34,7 +34,7 @@ import random
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import overload
@@ -131,6 +131,11 @@ class _AsyncConnection:
     def close(self) -> None:
         self.writer.close()
 
+    async def wait_closed(self) -> None:
+        """Once closed: until its socket is (see `_closed`)."""
+        await _closed(asyncio.ensure_future(self.writer.wait_closed()),
+                      self.writer.transport.abort)
+
 
 class _Turn:
     """One call's exchange running on a `_Pipeline`."""
@@ -176,6 +181,7 @@ class _Pipeline(asyncio.Protocol):
         self._progress = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future[None] | None = None  # while the transport is paused
+        self._lost: asyncio.Future[None] = self._loop.create_future()  # done: socket closed
 
     @classmethod
     async def open(cls, address: Address, timeout_s: float,
@@ -291,6 +297,7 @@ class _Pipeline(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost.set_result(None)  # first: the transport is gone, not to be closed again
         self._fail(exc if exc is not None else ConnectionError("connection closed by the node"))
 
     def pause_writing(self) -> None:
@@ -310,7 +317,7 @@ class _Pipeline(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._owners.clear()
-        if self._transport is not None:
+        if self._transport is not None and not self._lost.done():
             # Requests still buffered (a node that stopped reading, calls
             # cancelled mid-write) are dropped with the connection: close()
             # would keep the socket open until they were sent, past the end
@@ -335,6 +342,35 @@ class _Pipeline(asyncio.Protocol):
 
     def close(self) -> None:
         self._fail(ConnectionError("connection closed by the client"))
+
+    async def wait_closed(self) -> None:
+        """Once closed (or failed): until its socket is (see `_closed`)."""
+        assert self._transport is not None  # set before open() returns
+        await _closed(self._lost, self._transport.abort)
+
+
+# How long closing a connection may take before it is aborted: a TLS
+# connection's socket stays open until the node's close_notify answers
+# ours (asyncio would wait 30 s for it).
+CLOSE_WAIT_S = 1.0
+
+
+async def _closed(lost: asyncio.Future, abort: Callable[[], None]) -> None:
+    """Wait for a closing connection's socket to be closed (`lost` done),
+    aborting it after CLOSE_WAIT_S: a close that returned before would
+    leave the socket to the end of the event loop, or past it (a TLS
+    connection closes its socket only once the node answered the
+    close_notify, some loop turns later)."""
+    for give_up in (abort, None):
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await asyncio.shield(lost)
+            return
+        except TimeoutError:
+            if give_up is not None:
+                give_up()
+        except Exception:  # closed by a failure: closed all the same
+            return
 
 
 def _untrusted(address: Address, exc: ssl.SSLCertVerificationError) -> ClientConnectionError:
@@ -407,9 +443,11 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connections (a later call opens a new one); a long poll
-        under way in another task closes its own when it ends; a call under
-        way on the shared connection goes on on a new one."""
+        """Close the connections (a later call opens a new one) and wait
+        until their sockets are closed (at most CLOSE_WAIT_S, then they are
+        aborted); a long poll under way in another task closes its own
+        when it ends; a call under way on the shared connection goes on
+        on a new one."""
         pipes, self._pipes, self._pipe = self._pipes, set(), None
         for pipe in pipes:
             pipe.close()
@@ -417,6 +455,8 @@ class AsyncClient:
         idle, self._idle_polls = self._idle_polls, []
         for conn in idle:
             conn.close()
+        await asyncio.gather(*(pipe.wait_closed() for pipe in pipes),
+                             *(conn.wait_closed() for conn in idle))
 
     @property
     def address(self) -> Address:
