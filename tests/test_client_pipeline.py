@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from procs import sockets_to, until_async, wait_until
-from qserver.client import AsyncClient, Client
+from qserver.client import AsyncClient, Client, Message
 from qserver.errors import ClientConnectionError, ClientTimeout, Unauthorized
 
 DEADLINE_S = 30.0  # generous: CI is a shared, noisy 2-core machine
@@ -208,9 +208,20 @@ def test_close_returns_once_the_sockets_are_closed(node):
         assert sockets_to(node.port) == 2
         await c.close()
         assert sockets_to(node.port) == 0
+        async def long_poll() -> tuple[Message | None, int]:
+            got = await c.consume("closing_wait", wait=DEADLINE_S)
+            return got, sockets_to(node.port)  # as it returns
+
         async with c:
             assert await c.produce("closing", "b") == 2
-        assert sockets_to(node.port) == 0
+            poll = asyncio.create_task(long_poll())
+            await until_async(lambda: sockets_to(node.port) == 2, "the long poll's connection")
+        assert sockets_to(node.port) == 1  # the poll goes on, on its own
+        async with AsyncClient(host(node), retry_for=DEADLINE_S) as other:
+            await other.produce("closing_wait", "c")
+        got, left = await asyncio.wait_for(poll, DEADLINE_S)
+        assert got is not None and got.data == "c"
+        assert left == 0  # the client closed meanwhile: its connection too
 
     asyncio.run(main())
 

@@ -702,7 +702,7 @@ class AsyncClient:
                 self._poll_home = lane.router.address
             return results
         finally:
-            self._end_poll(lane)
+            await self._end_poll(lane)
 
     def _poll_lane(self, address: Address | None = None) -> _AsyncLane:
         """As `Client._poll_lane`."""
@@ -713,8 +713,9 @@ class AsyncClient:
         router = _Router(self._addresses, self._retry_for_s, address, rng=self._rng)
         return _AsyncLane(router, conn, self._generation)
 
-    def _end_poll(self, lane: _AsyncLane) -> None:
-        """As `Client._end_poll`."""
+    async def _end_poll(self, lane: _AsyncLane) -> None:
+        """As `Client._end_poll`; a connection closed (the client was closed
+        meanwhile, or enough are kept) is closed before the call returns."""
         conn, lane.conn = lane.conn, None
         if conn is None:
             return
@@ -723,6 +724,7 @@ class AsyncClient:
             self._idle_polls.append(conn)
         else:
             conn.close()
+            await conn.wait_closed()
 
     async def _pipeline(self, address: Address) -> _Pipeline:
         """The shared connection to `address`: the one open, else a new one
