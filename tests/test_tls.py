@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from procs import IO_TIMEOUT_S, Cluster, NodeProcess, free_port, sockets_to, write_config
+from procs import (
+    IO_TIMEOUT_S,
+    Cluster,
+    NodeProcess,
+    free_port,
+    sockets_to,
+    until_async,
+    write_config,
+)
 from qserver.client import AsyncClient, Client
 from qserver.errors import ClientConnectionError, InvalidArgument, Unauthorized
 from tlsutil import Pki, make_ca, make_pki
@@ -132,6 +140,23 @@ def test_closing_does_not_wait_for_a_node_that_does_not_answer(procs, tmp_path, 
             assert sockets_to(node.port) == 0
         finally:
             node.proc.send_signal(signal.SIGCONT)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_long_poll_leaves_no_socket_behind(procs, tmp_path, pki):
+    """Its connection is let go at once (answers due on it are of no use),
+    not after a close_notify exchange a loop ending soon would cut short."""
+    node = procs(tmp_path, tls_xml(pki))
+
+    async def main() -> None:
+        async with AsyncClient(hosts(node), tls_ca=str(pki.ca)) as ac:
+            poll = asyncio.create_task(ac.consume("tq_wait", wait=30))
+            await until_async(lambda: sockets_to(node.port) == 1, "the long poll's connection")
+            poll.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await poll
+            assert sockets_to(node.port) == 0
 
     asyncio.run(main())
 

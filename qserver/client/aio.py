@@ -131,6 +131,11 @@ class _AsyncConnection:
     def close(self) -> None:
         self.writer.close()
 
+    def abort(self) -> None:
+        """Close at once: nothing more is sent (a TLS connection does not
+        wait for the node's close_notify)."""
+        self.writer.transport.abort()
+
     async def wait_closed(self) -> None:
         """Once closed: until its socket is (see `_closed`)."""
         await _closed(asyncio.ensure_future(self.writer.wait_closed()),
@@ -392,8 +397,10 @@ class _AsyncLane:
         self.generation = generation
 
     def drop(self) -> None:
+        """Let the connection go (a call cancelled or failed on it, or moving
+        to another node): aborted, as answers still due on it are of no use."""
         if self.conn is not None:
-            self.conn.close()
+            self.conn.abort()
             self.conn = None
 
 
