@@ -27,11 +27,10 @@ from procs import (
     NodeProcess,
     free_port,
     sockets_to,
-    until_async,
     write_config,
 )
 from qserver.client import AsyncClient, Client
-from qserver.errors import ClientConnectionError, InvalidArgument, Unauthorized
+from qserver.errors import ClientConnectionError, ClientTimeout, InvalidArgument, Unauthorized
 from tlsutil import Pki, make_ca, make_pki
 
 TOKEN = "tls-admin-token-0123456789"
@@ -144,6 +143,26 @@ def test_closing_does_not_wait_for_a_node_that_does_not_answer(procs, tmp_path, 
     asyncio.run(main())
 
 
+def test_a_client_closed_after_a_timeout_leaves_no_socket_behind(procs, tmp_path, pki):
+    """A connection that timed out is dropped at once (the silent node would
+    not answer a close_notify), and close() leaves no socket open."""
+    node = procs(tmp_path, tls_xml(pki))
+
+    async def main() -> None:
+        ac = AsyncClient(hosts(node), tls_ca=str(pki.ca), timeout=0.5, retry_for=0)
+        assert await ac.produce("tq", "a") == 1
+        node.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(ClientTimeout):
+                await ac.produce("tq", "b")
+            await asyncio.wait_for(ac.close(), 60)
+            assert sockets_to(node.port) == 0
+        finally:
+            node.proc.send_signal(signal.SIGCONT)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_long_poll_leaves_no_socket_behind(procs, tmp_path, pki):
     """Its connection is let go at once (answers due on it are of no use),
     not after a close_notify exchange a loop ending soon would cut short."""
@@ -152,11 +171,21 @@ def test_a_cancelled_long_poll_leaves_no_socket_behind(procs, tmp_path, pki):
     async def main() -> None:
         async with AsyncClient(hosts(node), tls_ca=str(pki.ca)) as ac:
             poll = asyncio.create_task(ac.consume("tq_wait", wait=30))
-            await until_async(lambda: sockets_to(node.port) == 1, "the long poll's connection")
+
+            async def parked() -> bool:
+                return (await ac.monitor("tq_wait"))["waiting"] == 1
+
+            for _ in range(300):  # (on the shared connection: a second socket)
+                if await parked():
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the long poll was not parked within 30 s")
+            assert sockets_to(node.port) == 2
             poll.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await poll
-            assert sockets_to(node.port) == 0
+            assert sockets_to(node.port) == 1  # the poll's is gone
 
     asyncio.run(main())
 

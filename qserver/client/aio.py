@@ -213,6 +213,11 @@ class _Pipeline(asyncio.Protocol):
     def usable(self) -> bool:
         return self.error is None and not self.retired
 
+    @property
+    def closed(self) -> bool:
+        """Its socket is closed (not only closing)."""
+        return self._lost.done()
+
     async def run(self, ex: _Exchange) -> None:
         """Send `ex`'s requests and take their answers until it is finished,
         or halted with nothing in flight. Raises what broke the connection:
@@ -322,15 +327,19 @@ class _Pipeline(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._owners.clear()
-        if self._transport is not None and not self._lost.done():
+        transport = self._transport
+        # Closed once: a second close() of a TLS transport (CPython's) cuts
+        # it from its connection, and a later abort() would do nothing.
+        if transport is not None and not self._lost.done() and not transport.is_closing():
             # Requests still buffered (a node that stopped reading, calls
             # cancelled mid-write) are dropped with the connection: close()
             # would keep the socket open until they were sent, past the end
-            # of the event loop.
-            if self._transport.get_write_buffer_size():
-                self._transport.abort()
+            # of the event loop. A silent node would not answer a TLS
+            # close_notify either.
+            if isinstance(error, TimeoutError) or transport.get_write_buffer_size():
+                transport.abort()
             else:
-                self._transport.close()
+                transport.close()
         self.resume_writing()
         for turn in self._turns:
             turn.wake()
@@ -374,6 +383,9 @@ async def _closed(lost: asyncio.Future, abort: Callable[[], None]) -> None:
         except TimeoutError:
             if give_up is not None:
                 give_up()
+        except asyncio.CancelledError:  # no more waiting: closed at once
+            abort()
+            raise
         except Exception:  # closed by a failure: closed all the same
             return
 
@@ -721,8 +733,10 @@ class AsyncClient:
         return _AsyncLane(router, conn, self._generation)
 
     async def _end_poll(self, lane: _AsyncLane) -> None:
-        """As `Client._end_poll`; a connection closed (the client was closed
-        meanwhile, or enough are kept) is closed before the call returns."""
+        """As `Client._end_poll`; a connection not kept (the client was
+        closed meanwhile, or enough are kept) is closed before the call
+        returns: aborted, every answer is in, so that this takes one loop
+        turn (a task cancelled then loses its call's answer)."""
         conn, lane.conn = lane.conn, None
         if conn is None:
             return
@@ -730,7 +744,7 @@ class AsyncClient:
                 and len(self._idle_polls) < MAX_IDLE_POLL_CONNECTIONS):
             self._idle_polls.append(conn)
         else:
-            conn.close()
+            conn.abort()
             await conn.wait_closed()
 
     async def _pipeline(self, address: Address) -> _Pipeline:
@@ -767,7 +781,7 @@ class AsyncClient:
             pipe.retire()
             return pipe
         old, self._pipe = self._pipe, pipe
-        self._pipes = {p for p in self._pipes if p.error is None}  # forget the closed ones
+        self._pipes = {p for p in self._pipes if not p.closed}  # forget the closed ones
         self._pipes.add(pipe)
         if old is not None:
             old.retire()  # closes itself once its answers are in
