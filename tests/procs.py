@@ -116,7 +116,8 @@ _open_clients: set[TcpClient | UdpClient] | None = None
 
 def sockets_to(port: int) -> int:
     """How many TCP sockets this process holds open to 127.0.0.1:`port`
-    (its descriptors' sockets, matched in /proc/net/tcp by inode)."""
+    (its descriptors' sockets, matched in /proc/net/tcp by inode; IPv4
+    only: the tests connect to 127.0.0.1, never to localhost)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with suppress(OSError):  # closed meanwhile (listdir's own, say)
