@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from harness.nodes import pick_ports
+
 # Generous: a cold Python start on a loaded 2-core machine can take seconds.
 START_DEADLINE_S = 30.0
 IO_TIMEOUT_S = 10.0
@@ -253,12 +255,14 @@ class Cluster:
                  secrets: list[str | None] | None = None, engine: str | None = None) -> None:
         self.tmp_path = tmp_path
         self.n = n
-        ports: set[int] = set()
-        while len(ports) < 2 * n:
-            ports.add(free_port())
-        ports_l = sorted(ports)
-        self.client_ports = ports_l[:n]
-        self.internal_ports = ports_l[n:]
+        # Below the ephemeral range, with internal + RAFT_PORT_OFFSET (the raft
+        # engine's port) free too: a port from free_port() is in that range,
+        # where any connection made meanwhile may take it; and the raft port
+        # was not checked at all (pysyncobj then retried its bind forever and
+        # the cluster never agreed on a master).
+        ports = pick_ports(n)
+        self.client_ports = [p.client for p in ports]
+        self.internal_ports = [p.internal for p in ports]
         self.extra = with_engine(extra, engine)
         self.engine = engine or "native"
         self.secrets = secrets or ["test-secret"] * n

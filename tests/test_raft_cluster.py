@@ -4,10 +4,12 @@ kill -9 of every node at once, catch-up by snapshot after log compaction."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
 
+from harness.nodes import RAFT_PORT_OFFSET
 from procs import Cluster, TcpClient, wait_until
 
 RAFT = '  <replication engine="raft"/>\n'
@@ -55,6 +57,22 @@ def test_single_raft_node_in_memory(tmp_path, procs):
     assert client.request(action=2, queue="m")["data"] == "x"
     assert client.request(action=8)["leader_port"] == node.port
     client.close()
+
+
+def test_a_raft_port_in_use_stops_the_node_with_a_clear_error(tmp_path):
+    """Not a node that serves clients and never joins an election (pysyncobj
+    alone retries its bind for ever)."""
+    c = Cluster(tmp_path, engine="raft")
+    raft_port = c.internal_ports[0] + RAFT_PORT_OFFSET
+    with socket.create_server(("127.0.0.1", raft_port)):  # taken
+        node = c.start(1, wait=False)
+        try:
+            code = node.proc.wait(60)
+        finally:
+            node.kill()
+    assert code == 1
+    assert "cannot listen" in node.stderr_text and f"raft port 127.0.0.1:{raft_port}" \
+        in node.stderr_text, node.stderr_text
 
 
 def test_three_raft_nodes_killed_at_once_lose_no_acknowledged_write(tmp_path):

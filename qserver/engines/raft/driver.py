@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
@@ -138,6 +139,13 @@ _FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
 _RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=0.1,
                     leaderFallbackTimeout=1.2, connectionTimeout=3.5,
                     connectionRetryTime=0.5)
+
+# pysyncobj retries binding its port every bindRetryTime, by default for
+# ever: a node whose raft port is taken would serve clients and never take
+# part in an election. It gets this many tries, 0.5 s apart (a port in use
+# by a node stopping just before has the time to come free), then the node
+# stops with "cannot listen", as for its other ports.
+RAFT_BIND_TRIES = 10
 
 # Leader transfer: the target must be caught up within this long, and a new
 # leader seen within this long of the TimeoutNow (pysyncobj's shortest
@@ -628,7 +636,8 @@ class RaftEngine:
             serializer=self._serialize, deserializer=self._deserialize,
             dynamicMembershipChange=False, autoTick=True, appendEntriesUseBatch=False,
             commandsWaitLeader=False, onStateChanged=self._on_state_changed,
-            logCompactionMinEntries=max(2, cfg.log_size), **_RAFT_TIMING)
+            logCompactionMinEntries=max(2, cfg.log_size), maxBindRetries=RAFT_BIND_TRIES,
+            bindRetryTime=0.5, **_RAFT_TIMING)
         if self.net is not None:
             await self.net.start()
         if cfg.peers:
@@ -641,6 +650,13 @@ class RaftEngine:
             self_addr = f"{cfg.host}:0"
             others = []
         self.sync = _QueueSync(self, self_addr, others, conf)
+        try:
+            await asyncio.to_thread(self.sync.waitBinded)
+        except _pso.SyncObjException:
+            sync, self.sync = self.sync, None
+            await asyncio.to_thread(sync.destroy_synchronous)  # (its thread keeps the process)
+            raise OSError(errno.EADDRINUSE, f"raft port {self_addr}: not bound after "
+                                            f"{RAFT_BIND_TRIES} tries") from None
         log.info("node %d: raft engine (pysyncobj) on %s, %d other node(s), storage %s, fsync %s",
                  cfg.node_id, self_addr, len(others), cfg.storage_dir or "none (memory)",
                  cfg.fsync.value if cfg.storage_dir else "-")
