@@ -9,8 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from harness.nodes import RAFT_PORT_OFFSET
 from procs import Cluster, TcpClient, wait_until
+from qserver.engines.raft.driver import RAFT_PORT_OFFSET
 
 RAFT = '  <replication engine="raft"/>\n'
 

@@ -142,10 +142,11 @@ _RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=
 
 # pysyncobj retries binding its port every bindRetryTime, by default for
 # ever: a node whose raft port is taken would serve clients and never take
-# part in an election. It gets this many tries, 0.5 s apart (a port in use
-# by a node stopping just before has the time to come free), then the node
-# stops with "cannot listen", as for its other ports.
+# part in an election. It gets RAFT_BIND_TRIES tries, RAFT_BIND_RETRY_S
+# apart (a port in use by a node stopping just before has the time to come
+# free), then the node stops with "cannot listen", as for its other ports.
 RAFT_BIND_TRIES = 10
+RAFT_BIND_RETRY_S = 0.5
 
 # Leader transfer: the target must be caught up within this long, and a new
 # leader seen within this long of the TimeoutNow (pysyncobj's shortest
@@ -637,7 +638,7 @@ class RaftEngine:
             dynamicMembershipChange=False, autoTick=True, appendEntriesUseBatch=False,
             commandsWaitLeader=False, onStateChanged=self._on_state_changed,
             logCompactionMinEntries=max(2, cfg.log_size), maxBindRetries=RAFT_BIND_TRIES,
-            bindRetryTime=0.5, **_RAFT_TIMING)
+            bindRetryTime=RAFT_BIND_RETRY_S, **_RAFT_TIMING)
         if self.net is not None:
             await self.net.start()
         if cfg.peers:
