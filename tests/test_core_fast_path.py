@@ -9,7 +9,7 @@ import random
 import pytest
 
 from qserver.engines.base import LeaderInfo
-from qserver.engines.messages import Push, PushReply
+from qserver.engines.messages import Pull, Push, PushReply
 from qserver.engines.native.core import PUSH_AT_ONCE_RECORDS, SPARE_PUSH_MS, NativeCore
 from qserver.errors import InvariantError
 from qserver.state.entries import Produce
@@ -114,6 +114,46 @@ def test_many_records_are_pushed_at_once_whatever_the_interval():
     for i in range(PUSH_AT_ONCE_RECORDS):
         m.append_now(entry(m, f"c{i}"))
     assert len(pushes(m.take_ready(t + 1))) == 2
+
+
+@pytest.mark.parametrize("async_mode", [True, False])
+def test_a_slave_whose_pull_was_answered_ahead_of_the_push_keeps_getting_pushes(async_mode):
+    """A pull answered while records wait for their push (a heartbeat
+    announced them; a push interval or the turn holds them) takes that
+    slave past what has been pushed. It is still in step: the next pushes
+    carry what is new to it. (It used to count as catching up by pulls for
+    good: under a steady load it got nothing but pull answers, at most
+    sync_rate records a second, and fell behind without end.)"""
+    m = master_of_three(async_mode=async_mode, push_interval_ms=5)
+    t = NOW + 1000
+
+    def write(data: str) -> int:
+        if async_mode:
+            m.append_now(entry(m, data))
+        else:
+            m.propose(entry(m, data), lambda result, error: None)
+        return m.log.last_trans_id
+
+    a = write("a")
+    m.take_ready(t)  # pushed at once: both slaves in step
+    for node_id in (2, 3):
+        acked(m, node_id, t)
+    b = write("b")  # not pushed yet
+    # slave 2 pulls after its last record (a heartbeat told it of b),
+    # answered at once; then a new record in the same turn
+    m.step(Pull(vote_id=1, node_id=2, trans_id=a, log_vote_id=1), t + 1)
+    c = write("c")
+    got = pushes(m.take_ready(t + 6))
+    # to slave 2: b in the pull's answer, c in the push
+    assert [r.trans_id for to, p in got if to == 2 for r in p.records] == [b, c]
+    assert [r.trans_id for to, p in got if to == 3 for r in p.records] == [b, c]
+    for i in range(3):  # and each later record, to both slaves
+        now = t + 10 * (i + 1)
+        for node_id in (2, 3):
+            acked(m, node_id, now)
+        d = write(f"d{i}")
+        got = pushes(m.take_ready(now + 6))
+        assert sorted(to for to, p in got if p.records[-1].trans_id == d) == [2, 3]
 
 
 def test_quorum_mode_never_coalesces_for_the_slaves_a_commit_needs():

@@ -964,17 +964,20 @@ class NativeCore:
 
     def _push_new(self, now_ms: int) -> None:
         """Push what they lack to the slaves that follow our pushes (in
-        step: everything up to pushed_upto was pushed to them; or spare):
-        everything appended since. In quorum mode only quorum - 1 of them
-        get it at once, those that keep up (answered within two heartbeats)
-        first, as a commit needs no more; the others (spare) get it
-        at most every SPARE_PUSH_MS, or once PUSH_AT_ONCE_RECORDS wait for
-        them. A spare slave's pushes still commit entries, and it takes an
-        eager one's place once that one stops answering. Slaves catching
-        up by pulls get nothing here."""
+        step: everything up to pushed_upto was sent to them, or more when
+        a pull was answered before the push of what it took; or spare):
+        everything appended since what each was sent. In quorum mode only
+        quorum - 1 of them get it at once, those that keep up (answered
+        within two heartbeats) first, as a commit needs no more; the others
+        (spare) get it at most every SPARE_PUSH_MS, or once
+        PUSH_AT_ONCE_RECORDS wait for them. A spare slave's pushes still
+        commit entries, and it takes an eager one's place once that one
+        stops answering. Slaves catching up by pulls (sent less than
+        pushed_upto) get nothing here: a push would not continue their
+        logs."""
         start = self.pushed_upto
         last = self.log.last_trans_id
-        following = [p for p in self.peers.values() if p.sent_upto == start or p.spare]
+        following = [p for p in self.peers.values() if p.sent_upto >= start or p.spare]
         eager = following
         if self.spare_pushes and len(following) >= self.quorum:
             horizon = now_ms - 2 * self.timing.heartbeat_ms
