@@ -8,6 +8,8 @@ turn's write)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -95,5 +97,46 @@ def test_async_master_answers_at_once_and_the_slaves_follow(tmp_path, storage):
             c.start(m)
             wait_until(lambda: _replicated(c, [m], m2), deadline_s=60)
             assert _views(c, [m], ("q",))[m] == _views(c, [m2], ("q",))[m2]
+    finally:
+        c.stop_all()
+
+
+def test_slaves_keep_up_by_pushes_under_steady_writes(tmp_path):
+    """Under a steady stream of writes from several clients, heartbeats
+    announced records not yet pushed and the slaves pulled them; a pull
+    answered ahead of the push then left the slave catching up by pulls
+    for good. sync_rate (the pull budget, records a second) is tiny here,
+    so a slave left to pulls would be thousands of records behind for
+    minutes: both must hold every write soon after the writes stop."""
+    c = _cluster(tmp_path, storage=False)
+    c.extra += '  <queue_config sync_rate="10"/>\n'
+    try:
+        c.start_all()
+        m = c.wait_master()
+        slaves = [i for i in range(1, 4) if i != m]
+        stop = time.monotonic() + 3.0
+        counts: list[int] = []
+
+        def produce(k: int) -> None:
+            client = TcpClient(c.port(m))
+            n = 0
+            try:
+                while time.monotonic() < stop:
+                    assert client.request(action=1, queue="q", data=f"{k}.{n}")["code"] == 0
+                    n += 1
+            finally:
+                client.close()
+                counts.append(n)
+
+        threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(counts) == 4 and sum(counts) > 100, counts
+        wait_until(lambda: _replicated(c, slaves, m), deadline_s=60)
+        views = _views(c, [m, *slaves], ("q",))
+        assert views[m] == views[slaves[0]] == views[slaves[1]], views
+        assert views[m][0][0] == sum(counts)
     finally:
         c.stop_all()

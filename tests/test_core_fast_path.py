@@ -156,6 +156,27 @@ def test_a_slave_whose_pull_was_answered_ahead_of_the_push_keeps_getting_pushes(
         assert sorted(to for to, p in got if p.records[-1].trans_id == d) == [2, 3]
 
 
+def test_a_heartbeat_tells_a_slave_in_step_what_it_was_sent():
+    """Records held by the push interval are not announced by a heartbeat
+    to the slaves in step (they follow by push; told of them, a slave
+    pulled them, each pull a detour through the sync_rate budget); a
+    slave catching up by pulls is told of the log's end."""
+    m = master_of_three(async_mode=True, push_interval_ms=5)
+    t = NOW + 1000
+    m.append_now(entry(m, "a"))
+    m.take_ready(t)  # pushed at once
+    pushed = m.log.last_trans_id
+    m.append_now(entry(m, "b"))  # held by the interval
+    m.sync_rate = 1  # 3 starts over, with a pull budget of one record
+    m.step(Pull(vote_id=1, node_id=3, trans_id=0, log_vote_id=0), t)
+    assert m.peers[3].sent_upto == 1 < pushed
+    m.tick(t + m.timing.heartbeat_ms)
+    beats = {to: msg for to, msg in m.take_ready(t + 1).messages
+             if isinstance(msg, Push) and not msg.records}
+    assert beats[2].last_trans_id == pushed < m.log.last_trans_id
+    assert beats[3].last_trans_id == m.log.last_trans_id
+
+
 def test_quorum_mode_never_coalesces_for_the_slaves_a_commit_needs():
     m = master_of_three(async_mode=False, push_interval_ms=5)
     answers: list = []

@@ -74,6 +74,10 @@ def test_new_records_over_the_budget_go_out_in_several_pushes_in_order():
         pushes = pushes_to(ready, peer)
         assert len(pushes) >= 3
         assert_chained_within_budget(pushes, start, m.log.last_trans_id)
+        # each piece tells the slave of its own end, not the log's: the
+        # next pieces follow by push, and a slave told of more would pull it
+        assert [p.last_trans_id for p in pushes] == [
+            p.prev_trans_id + len(p.records) for p in pushes]
 
 
 def test_one_record_over_the_budget_is_still_sent_alone():
@@ -96,3 +100,5 @@ def test_a_pull_is_answered_within_the_budget():
     assert len(pushes) == 1 and pushes[0].prev_trans_id == 0
     weights = [entry_weight(r.entry) for r in pushes[0].records]
     assert 1 <= len(weights) < m.log.last_trans_id and sum(weights) <= BUDGET
+    # behind what was pushed: told of the log's end, so that it pulls on
+    assert pushes[0].last_trans_id == m.log.last_trans_id

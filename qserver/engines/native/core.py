@@ -954,11 +954,19 @@ class NativeCore:
         prev_vote = self.log.vote_id_at(prev)
         if prev_vote is None:  # compacted past what it was sent: restart from the base
             prev, prev_vote, records = self.log.base_trans_id, self.log.base_vote_id, ()
+        # The last trans_id it is told of (a slave behind it pulls): to a
+        # slave in step (sent at least what was pushed: see _push_new) or
+        # spare, the end of what it has been sent with this push, as the
+        # rest follows by push (records held by the push interval, the
+        # pieces of a split push, a spare's next turn): telling it our
+        # log's end made it pull them too, each pull a detour through the
+        # sync_rate budget; to one catching up by pulls, our log's end.
+        end = prev + len(records)
+        announced = end if end >= self.pushed_upto or peer.spare else self.log.last_trans_id
         self._send(peer.node_id, Push(vote_id=self.vote_id, node_id=self.node_id,
                                       prev_vote_id=prev_vote, prev_trans_id=prev,
                                       records=tuple(records), commit_id=self.commit_id,
-                                      last_trans_id=self.log.last_trans_id,
-                                      read_round=self.read_round))
+                                      last_trans_id=announced, read_round=self.read_round))
         peer.round_sent = self.read_round
         self.round_sent_any = True
 
