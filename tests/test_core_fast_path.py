@@ -4,13 +4,16 @@ appended, applied, committed and pushed, and when append_now refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import msgpack
 import pytest
 
 from qserver.engines.base import LeaderInfo
-from qserver.engines.messages import Pull, Push, PushReply
+from qserver.engines.messages import Pull, Push, PushReply, message_from_wire
 from qserver.engines.native.core import PUSH_AT_ONCE_RECORDS, SPARE_PUSH_MS, NativeCore
+from qserver.engines.native.driver import ClusterEngine
 from qserver.errors import InvariantError
 from qserver.state.entries import Produce
 from qserver.state.log import Log
@@ -175,6 +178,41 @@ def test_a_heartbeat_tells_a_slave_in_step_what_it_was_sent():
              if isinstance(msg, Push) and not msg.records}
     assert beats[2].last_trans_id == pushed < m.log.last_trans_id
     assert beats[3].last_trans_id == m.log.last_trans_id
+
+
+class _EncodingNet:
+    """The adapter's side of PeerNetwork for _send_all: what it encodes,
+    and what it sends to whom."""
+
+    def __init__(self) -> None:
+        self.encoded: list[bytes] = []
+        self.sent: list[tuple[int, bytes]] = []
+
+    def encode(self, obj: object) -> bytes:
+        body = msgpack.packb(obj)
+        self.encoded.append(body)
+        return body
+
+    def send_encoded(self, peer_id: int, body: bytes) -> bool:
+        self.sent.append((peer_id, body))
+        return True
+
+
+def test_the_adapter_encodes_a_turns_alike_pushes_to_several_slaves_once():
+    m = master_of_three(async_mode=True)
+    for i in range(5):
+        m.append_now(entry(m, f"e{i}"))
+    messages = m.take_ready(NOW).messages
+    sent = {to: msg for to, msg in messages if isinstance(msg, Push)}
+    assert sorted(sent) == [2, 3] and sent[2].records is sent[3].records
+    # and a third push of the same records that differs in another field
+    other = dataclasses.replace(sent[3], commit_id=sent[3].commit_id + 1)
+    net = _EncodingNet()
+    ClusterEngine._send_all(ClusterEngine.__new__(ClusterEngine), net, [*messages, (3, other)])
+    assert len(net.encoded) == 2
+    assert [to for to, _ in net.sent] == [2, 3, 3]
+    assert [message_from_wire(msgpack.unpackb(body)) for _, body in net.sent] == [
+        sent[2], sent[3], other]
 
 
 def test_quorum_mode_never_coalesces_for_the_slaves_a_commit_needs():

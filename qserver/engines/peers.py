@@ -794,10 +794,16 @@ class PeerNetwork:
         link = self._current.get(peer_id)
         if link is None:
             return False
-        body = self._encode(obj)
+        body = self.encode(obj)
         if body is None:
             return False
         return link.write_frame(body)
+
+    def send_encoded(self, peer_id: int, body: bytes) -> bool:
+        """As `send`, for a message encoded once (`encode`) and sent to
+        several peers."""
+        link = self._current.get(peer_id)
+        return link is not None and link.write_frame(body)
 
     def flush(self, peer_id: int) -> None:
         """Hand what is queued for `peer_id` to its transport now, not at
@@ -817,7 +823,9 @@ class PeerNetwork:
         """The ids of every peer with an authenticated link up."""
         return set(self._current)
 
-    def _encode(self, obj: object) -> bytes | None:
+    def encode(self, obj: object) -> bytes | None:
+        """`obj`'s frame body, None (logged as an error) if it cannot be
+        encoded or is over MAX_FRAME_BYTES."""
         try:
             body = msgpack.packb(obj)
         except Exception:

@@ -525,13 +525,21 @@ class ClusterEngine:
         self._arm_timer()
 
     def _send_all(self, net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
-        encoded: dict[int, object] = {}
-        send = net.send
+        """Send a Ready's messages, each encoded once; and a turn's pushes
+        of the same records (the same tuple) to several slaves, encoded
+        once too when they are alike."""
+        bodies: dict[object, bytes | None] = {}
         for peer_id, msg in messages:
-            wire = encoded.get(id(msg))
-            if wire is None:
-                wire = encoded[id(msg)] = message_to_wire(msg)
-            send(peer_id, wire)
+            key: object = id(msg)
+            if type(msg) is Push and msg.records:
+                key = (id(msg.records), msg.vote_id, msg.prev_vote_id, msg.prev_trans_id,
+                       msg.commit_id, msg.last_trans_id, msg.read_round)
+            if key in bodies:
+                body = bodies[key]
+            else:
+                body = bodies[key] = net.encode(message_to_wire(msg))
+            if body is not None:
+                net.send_encoded(peer_id, body)
 
     def _persist(self, durability: Durability, ready: Ready) -> None:
         """Vote, snapshot, truncation, records: on disk (durability's
