@@ -1,0 +1,71 @@
+"""A node gives the C heap's free memory back to the system once its log
+stops moving after it moved (qserver.node.TRIM_CHECK_S, MALLOC_TRIM): once
+after a burst of writes, not while it is busy, not again while quiet.
+
+A real node in this process on a free loopback port, a TCP client, and
+malloc_trim replaced by a recorder (and a check every 20 ms)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import qserver.node
+from procs import free_port
+from qserver.config import Config
+from qserver.node import MALLOC_TRIM, Node
+
+DEADLINE_S = 30.0
+CHECK_S = 0.02
+
+
+async def until(predicate, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DEADLINE_S
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"not before the deadline: {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_malloc_trim_is_found_on_this_system():
+    assert MALLOC_TRIM is not None  # glibc (Linux): what the node calls
+
+
+def test_a_node_gives_freed_memory_back_once_its_writes_stop(monkeypatch):
+    trims: list[int] = []
+
+    def trim(pad: int) -> int:
+        trims.append(pad)
+        return 1
+
+    monkeypatch.setattr(qserver.node, "MALLOC_TRIM", trim)
+    monkeypatch.setattr(qserver.node, "TRIM_CHECK_S", CHECK_S)
+
+    async def main():
+        node = Node(Config(port=free_port(), host="127.0.0.1"))
+        await node.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", node.address[1])
+        try:
+            await until(lambda: len(trims) == 1, "the trim after start-up")
+            await asyncio.sleep(10 * CHECK_S)
+            assert trims == [0]  # quiet since: nothing more to give back
+            # writes over many checks: no trim while they go on
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20 * CHECK_S
+            n = 0
+            while loop.time() < end:
+                writer.write(json.dumps({"action": 1, "queue": "q", "data": f"m{n}"}).encode())
+                assert json.loads(await reader.readline())["code"] == 0
+                n += 1
+                if n % 20 == 0:
+                    await asyncio.sleep(CHECK_S / 4)  # other checks run meanwhile
+            assert len(trims) == 1, f"trimmed while busy, after {n} writes"
+            await until(lambda: len(trims) == 2, "the trim once the writes stopped")
+            await asyncio.sleep(10 * CHECK_S)
+            assert trims == [0, 0]
+        finally:
+            writer.close()
+            await node.shutdown()
+
+    asyncio.run(main())
