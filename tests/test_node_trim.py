@@ -14,18 +14,9 @@ import qserver.node
 from procs import free_port
 from qserver.config import Config
 from qserver.node import MALLOC_TRIM, Node
+from test_node_shutdown import until
 
-DEADLINE_S = 30.0
 CHECK_S = 0.02
-
-
-async def until(predicate, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + DEADLINE_S
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError(f"not before the deadline: {what}")
-        await asyncio.sleep(0.01)
 
 
 def test_malloc_trim_is_found_on_this_system():
