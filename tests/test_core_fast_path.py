@@ -208,7 +208,7 @@ def test_the_adapter_encodes_a_turns_alike_pushes_to_several_slaves_once():
     # and a third push of the same records that differs in another field
     other = dataclasses.replace(sent[3], commit_id=sent[3].commit_id + 1)
     net = _EncodingNet()
-    ClusterEngine._send_all(ClusterEngine.__new__(ClusterEngine), net, [*messages, (3, other)])
+    ClusterEngine._send_all(net, [*messages, (3, other)])
     assert len(net.encoded) == 2
     assert [to for to, _ in net.sent] == [2, 3, 3]
     assert [message_from_wire(msgpack.unpackb(body)) for _, body in net.sent] == [

@@ -524,7 +524,8 @@ class ClusterEngine:
                      self.core.vote_id, self.core.leader_id or "unknown")
         self._arm_timer()
 
-    def _send_all(self, net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
+    @staticmethod
+    def _send_all(net: PeerNetwork, messages: list[tuple[int, Message]]) -> None:
         """Send a Ready's messages, each encoded once; and a turn's pushes
         of the same records (the same tuple) to several slaves, encoded
         once too when they are alike."""
