@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..state.entries import Record, record_from_wire, record_to_wire
+from ..state.entries import Kind, Produce, Record, record_from_wire, record_to_wire
 
 if TYPE_CHECKING:
     from ..state.store import SnapshotLoader
@@ -259,14 +259,22 @@ Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Sn
            | Features | ForwardBatch | ForwardReplies)
 
 
+_PRODUCE = int(Kind.PRODUCE)
+
+
 def message_to_wire(msg: Message) -> list[Any]:
     """Encode a message as a msgpack-friendly list."""
     # `type(msg) is C` rather than isinstance: one identity test per kind,
     # Push (the bulk of the traffic) first; mypy narrows on it too.
     if type(msg) is Push:
+        # A produce record (the bulk of a push) as record_to_wire's list
+        # with the entry's fields unpacked in place: msgpack writes the
+        # tuples of `targets` as the arrays record_to_wire makes, so the
+        # bytes are the same (a test holds it), for half the CPU.
         return [5, msg.vote_id, msg.node_id, msg.prev_vote_id, msg.prev_trans_id,
-                [record_to_wire(r) for r in msg.records], msg.commit_id, msg.last_trans_id,
-                msg.read_round]
+                [[r[0], r[1], [_PRODUCE, *r[2]]] if type(r[2]) is Produce else record_to_wire(r)
+                 for r in msg.records],
+                msg.commit_id, msg.last_trans_id, msg.read_round]
     if type(msg) is Hello:
         return [1, msg.vote_id, msg.node_id, msg.client_host, msg.client_port]
     if type(msg) is Ping:
