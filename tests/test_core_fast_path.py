@@ -119,6 +119,34 @@ def test_many_records_are_pushed_at_once_whatever_the_interval():
     assert len(pushes(m.take_ready(t + 1))) == 2
 
 
+def test_push_at_says_when_take_ready_pushes_what_was_appended():
+    """The adapter skips a flush per write while its timer fires by
+    push_at: take_ready must push nothing before it and everything at it."""
+    m = master_of_three(async_mode=True, push_interval_ms=5)
+    t = NOW + 1000  # a quiet spell: the next push is due at once
+    m.tick(t)  # heartbeats sent: the next is due in heartbeat_ms
+    m.append_now(entry(m, "a"))
+    assert m.push_at() <= t
+    assert len(pushes(m.take_ready(t))) == 2
+    m.append_now(entry(m, "b"))
+    m.append_now(entry(m, "c"))
+    assert m.push_at() == t + 5
+    assert pushes(m.take_ready(m.push_at() - 1)) == []
+    assert m.next_deadline() == m.push_at()  # the timer's call
+    at = m.push_at()
+    later = pushes(m.take_ready(at))
+    assert [len(p.records) for _, p in later] == [2, 2]
+    # many records waiting: at once, whatever the interval
+    for i in range(PUSH_AT_ONCE_RECORDS):
+        m.append_now(entry(m, f"d{i}"))
+    assert m.push_at() == 0
+    assert len(pushes(m.take_ready(at + 1))) == 2
+    # without coalescing (quorum mode, or no interval): at once
+    q = master_of_three(async_mode=True)
+    q.append_now(entry(q, "e"))
+    assert q.push_at() == 0
+
+
 @pytest.mark.parametrize("async_mode", [True, False])
 def test_a_slave_whose_pull_was_answered_ahead_of_the_push_keeps_getting_pushes(async_mode):
     """A pull answered while records wait for their push (a heartbeat

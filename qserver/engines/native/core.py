@@ -490,6 +490,17 @@ class NativeCore:
             due = min(due, self.pull_due_ms)
         return due
 
+    def push_at(self) -> int:
+        """A master: when `take_ready` pushes the records appended so far,
+        as a time of the core's clock (the adapter's timer need not run
+        before it): 0 for the next call, unless pushes are coalesced
+        (push_interval_ms) and fewer than PUSH_AT_ONCE_RECORDS wait, then
+        push_due_ms."""
+        if (not self.push_interval_ms
+                or self.log.last_trans_id - self.pushed_upto >= PUSH_AT_ONCE_RECORDS):
+            return 0
+        return self.push_due_ms
+
     def take_ready(self, now_ms: int) -> Ready:
         """Hand over what must be done, and start collecting afresh.
         `now_ms` decides `own_sync` (whether the slaves keep up) and, with

@@ -326,7 +326,9 @@ class ClusterEngine:
         core = self.core
         if storage is None:
             result = core.append_entry_now(entry)
-            if not self._flush_scheduled:  # the push to the slaves
+            # The push to the slaves, unless the timer runs it anyway
+            # (_push_timed: coalesced pushes, async mode).
+            if not self._flush_scheduled and not self._push_timed():
                 self._schedule_flush()
             return result
         # Encoded once, as the record append_entry_now appends will be: its
@@ -352,10 +354,19 @@ class ClusterEngine:
             durability.after_write(OwnSync.BEFORE_SEND)  # (arms the batch timer)
         if budget < 0:
             self._update_fast_path()
-        if (self.net is not None or trans_id >= self._check_at) \
+        if ((self.net is not None and not self._push_timed()) or trans_id >= self._check_at) \
                 and not self._flush_scheduled:
             self._schedule_flush()
         return result
+
+    def _push_timed(self) -> bool:
+        """Whether the timer fires by the time the core pushes what was
+        appended so far (`NativeCore.push_at`: async mode coalesces pushes
+        for push_interval_ms). A write on the fast path then needs no flush
+        of its own: one per push instead of one per loop turn, each of which
+        did nothing else (take_ready found the push not due and the timer
+        armed for it)."""
+        return self._timer is not None and self._timer_at <= self.core.push_at()
 
     def forward(self, request: dict, respond: Respond,
                 timeout_s: float | None = None) -> Cancel | None:
