@@ -12,7 +12,7 @@ import random
 import pytest
 
 from qserver.engines.base import LeaderInfo
-from qserver.engines.messages import Pull, Push
+from qserver.engines.messages import Pull, Push, PushReply
 from qserver.engines.native import core as core_module
 from qserver.engines.native.core import NativeCore
 from qserver.state.entries import entry_weight
@@ -102,3 +102,59 @@ def test_a_pull_is_answered_within_the_budget():
     assert 1 <= len(weights) < m.log.last_trans_id and sum(weights) <= BUDGET
     # behind what was pushed: told of the log's end, so that it pulls on
     assert pushes[0].last_trans_id == m.log.last_trans_id
+
+
+def spare_held_back(m: NativeCore, t: int) -> tuple[int, int, int]:
+    """Both slaves answer; then writes in one instant, so that the spare
+    slave's turn (every SPARE_PUSH_MS) never comes: (eager, spare, what the
+    spare was sent)."""
+    for peer in (2, 3):
+        m.step(PushReply(vote_id=m.vote_id, node_id=peer, match_id=m.log.last_trans_id), t)
+    batch(m, 3, 500)
+    m.take_ready(t)  # to both: the spare's turn
+    eager = next(p for p in (2, 3) if not m.peers[p].spare)
+    spare = 5 - eager
+    start = m.peers[spare].sent_upto
+    for _ in range(6):
+        batch(m, 3, 500)
+        m.take_ready(t)
+        m.step(PushReply(vote_id=m.vote_id, node_id=eager, match_id=m.log.last_trans_id), t)
+    assert m.peers[spare].spare and start < m.pushed_upto == m.log.last_trans_id
+    assert m.peers[spare].sent_upto == start
+    return eager, spare, start
+
+
+def test_a_spare_taking_a_quiet_slaves_place_is_told_the_end_of_each_piece():
+    """A spare slave behind by more than one push's budget takes the place
+    of the eager one once that one stops answering: its push is split, and
+    every piece tells of its own end, as the rest follows by push. (Told
+    of the log's end, it pulled, and a pull answered short of what was
+    pushed left it catching up by pulls, at sync_rate.)"""
+    m = master_of_three()
+    t = NOW + 1000
+    _eager, spare, start = spare_held_back(m, t)
+    later = t + 3 * m.timing.heartbeat_ms  # the eager slave is quiet since t
+    m.step(PushReply(vote_id=m.vote_id, node_id=spare, match_id=start), later)
+    batch(m, 1, 10)
+    pushes = pushes_to(m.take_ready(later), spare)
+    assert len(pushes) >= 3
+    assert_chained_within_budget(pushes, start, m.log.last_trans_id)
+    assert [p.last_trans_id for p in pushes] == [
+        p.prev_trans_id + len(p.records) for p in pushes]
+    assert not m.peers[spare].spare and m.peers[spare].sent_upto == m.pushed_upto
+
+
+def test_a_spare_whose_pull_is_answered_short_of_what_was_pushed_is_told_the_logs_end():
+    """A pull answer short of what was pushed leaves the slave catching up
+    by pulls, spare or not: it must hear of the log's end to pull on (told
+    only of the answer's end, it waited for a heartbeat)."""
+    m = master_of_three()
+    t = NOW + 1000
+    _eager, spare, start = spare_held_back(m, t)
+    m.step(Pull(vote_id=m.vote_id, node_id=spare, trans_id=start,
+                log_vote_id=m.log.vote_id_at(start)), t)
+    pushes = pushes_to(m.take_ready(t), spare)
+    assert len(pushes) == 1 and pushes[0].prev_trans_id == start
+    assert start < start + len(pushes[0].records) < m.log.last_trans_id  # cut by the budget
+    assert pushes[0].last_trans_id == m.log.last_trans_id
+    assert not m.peers[spare].spare

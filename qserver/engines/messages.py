@@ -135,7 +135,10 @@ class Push:
     prev_trans_id: int
     records: tuple[Record, ...]
     commit_id: int  # the master's commit position
-    last_trans_id: int  # the master's last trans_id: a slave behind it pulls
+    # What the slave should hold: the end of what it was sent if the rest
+    # follows by push, else the master's last trans_id (a slave behind it
+    # pulls; NativeCore._send_push).
+    last_trans_id: int
     # The master's read round when it sent this (NativeCore.read_index): the
     # slave echoes it, and a majority echoing a round sent after a read was
     # asked for proves the master still led then. Absent on the wire from

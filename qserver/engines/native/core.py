@@ -961,19 +961,24 @@ class NativeCore:
     def _send(self, peer_id: int, msg: Message) -> None:
         self.ready.messages.append((peer_id, msg))
 
-    def _send_push(self, peer: _Peer, prev: int, records: Sequence[Record]) -> None:
+    def _send_push(self, peer: _Peer, prev: int, records: Sequence[Record],
+                   following: bool | None = None) -> None:
+        """Send `peer` the records after `prev`. `following`: whether it
+        gets the rest by push; by default, whether it is in step (sent at
+        least what was pushed: see _push_new) or spare."""
         prev_vote = self.log.vote_id_at(prev)
         if prev_vote is None:  # compacted past what it was sent: restart from the base
             prev, prev_vote, records = self.log.base_trans_id, self.log.base_vote_id, ()
         # The last trans_id it is told of (a slave behind it pulls): to a
-        # slave in step (sent at least what was pushed: see _push_new) or
-        # spare, the end of what it has been sent with this push, as the
-        # rest follows by push (records held by the push interval, the
-        # pieces of a split push, a spare's next turn): telling it our
-        # log's end made it pull them too, each pull a detour through the
+        # slave that gets the rest by push (records held by the push
+        # interval, the pieces of a split push, a spare's next turn), the
+        # end of what it has been sent with this push: telling it our log's
+        # end made it pull them too, each pull a detour through the
         # sync_rate budget; to one catching up by pulls, our log's end.
         end = prev + len(records)
-        announced = end if end >= self.pushed_upto or peer.spare else self.log.last_trans_id
+        if following is None:
+            following = end >= self.pushed_upto or peer.spare
+        announced = end if following else self.log.last_trans_id
         self._send(peer.node_id, Push(vote_id=self.vote_id, node_id=self.node_id,
                                       prev_vote_id=prev_vote, prev_trans_id=prev,
                                       records=tuple(records), commit_id=self.commit_id,
@@ -1029,8 +1034,8 @@ class NativeCore:
                     batches.append((prev, tuple(pending[:n])))
                     prev += n
                     del pending[:n]
-            for prev, records in batches:
-                self._send_push(peer, prev, records)
+            for prev, records in batches:  # (pushed_upto moves to `last` below)
+                self._send_push(peer, prev, records, following=True)
             peer.sent_upto = last
         if spared:
             self.spare_due_ms = now_ms + SPARE_PUSH_MS
@@ -1092,9 +1097,12 @@ class NativeCore:
         records = log.slice(common + 1, budget)
         del records[_within_bytes(records):]
         peer.tokens -= len(records)
-        self._send_push(peer, common, records)
-        peer.sent_upto = common + len(records)
-        peer.spare = False  # catching up by pulls
+        end = common + len(records)
+        # In step once the answer reaches what was pushed (the rest follows
+        # by push), else catching up by pulls (a spare too, from now on).
+        self._send_push(peer, common, records, following=end >= self.pushed_upto)
+        peer.sent_upto = end
+        peer.spare = False  # catching up by pulls, or eager once in step
 
     def _send_snapshot(self, peer: _Peer) -> None:
         """Send the state at our commit position (undoing and redoing our
