@@ -256,9 +256,6 @@ class Node:
                 raise
         gc.set_threshold(*GC_THRESHOLDS)
         gc.freeze()  # what start-up allocated lives as long as the process
-        self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
-        if MALLOC_TRIM is not None:
-            self._trim_timer = loop.call_later(TRIM_CHECK_S, self._trim_once_quiet)
         try:
             await self.engine.start()
         except OSError:
@@ -268,6 +265,10 @@ class Node:
             if self.http is not None:
                 self.http.close()
             raise
+        # Once started: a start that failed leaves no timer behind.
+        self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
+        if MALLOC_TRIM is not None:
+            self._trim_timer = loop.call_later(TRIM_CHECK_S, self._trim_once_quiet)
         protocols = ("tls" if ssl_context is not None else "tcp") + ("+udp" if self._udp else "")
         if self.guard is not None:
             protocols += f", {len(cfg.client_tokens)} client token(s)"

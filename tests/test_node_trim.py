@@ -60,3 +60,34 @@ def test_a_node_gives_freed_memory_back_once_its_writes_stop(monkeypatch):
             await node.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_node_whose_start_fails_leaves_no_timer_behind(tmp_path):
+    """The trim and full-GC timers are armed once the engine started: a
+    node whose cluster port is taken raises, and nothing of it runs on."""
+    import socket
+
+    from procs import cluster_config
+    from qserver.config import parse_xml
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    internal = [taken.getsockname()[1], free_port(), free_port()]
+    config = parse_xml(cluster_config(1, [free_port() for _ in range(3)], internal))
+
+    async def main():
+        node = Node(config)
+        try:
+            await node.start()
+        except OSError:
+            pass
+        else:
+            await node.shutdown()
+            raise AssertionError("the node started on a taken port")
+        assert node._trim_timer is None and node._gc_timer is None
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        taken.close()
