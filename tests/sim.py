@@ -330,7 +330,8 @@ class Network:
                  virtual_queues: dict | None = None, check: bool = True,
                  external_snapshots: bool = False, deferred_sync: bool = False,
                  fsync_ms: tuple[int, int] = (1, 5), snapshot_write_ms: tuple[int, int] = (1, 20),
-                 snapshot_chunks: tuple[int, int] = (1, 3), push_interval_ms: int = 0) -> None:
+                 snapshot_chunks: tuple[int, int] = (1, 3), push_interval_ms: int = 0,
+                 snapshots_on_demand: bool = False) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = START_MS
@@ -343,6 +344,9 @@ class Network:
         # The production configuration (see the module docstring); as in
         # ClusterEngine, async mode never defers the master's fsync.
         self.external_snapshots = external_snapshots
+        # ...written only when a slave needs one (as ClusterEngine does for
+        # a node without a data directory; here with the disk model still)
+        self.snapshots_on_demand = snapshots_on_demand and external_snapshots
         self.deferred_sync = deferred_sync and not async_mode
         self.fsync_ms = fsync_ms  # (min, max) duration of a sync off the event loop
         self.snapshot_write_ms = snapshot_write_ms  # (min, max) time a forked writer takes
@@ -421,7 +425,8 @@ class Network:
                           log_size=self.log_size, vote_id=vote_id, voted_for=voted_for,
                           external_snapshots=self.external_snapshots,
                           deferred_sync=self.deferred_sync,
-                          push_interval_ms=self.push_interval_ms)
+                          push_interval_ms=self.push_interval_ms,
+                          snapshots_on_demand=self.snapshots_on_demand)
         return core
 
     def _instrument(self, node: SimNode, store: Store) -> None:
@@ -699,8 +704,11 @@ class Network:
             return
         core = node.core
         trans_id, vote_id = core.snapshot_point()
-        if not snapshot_due(trans_id - core.snapshot_id, max(1, self.log_size), not core.peers,
-                            node.snapshot_messages):
+        if self.snapshots_on_demand:
+            if not (core.snapshot_wanted and core.is_master):
+                return
+        elif not snapshot_due(trans_id - core.snapshot_id, max(1, self.log_size), not core.peers,
+                              node.snapshot_messages):
             return
         node.snapshot_messages = core.store.message_count()
         # The fork: a copy of the store's memory and of the undo records,
@@ -3053,6 +3061,10 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms,
         transfers = trng.random() < 0.5
     if production is None:
         production = rng.random() < 0.75
+    # Snapshots on demand (a node without a data directory), from a stream
+    # of their own: the other draws stay what they were for every seed.
+    on_demand = production and random.Random(
+        f"on-demand-{seed}-{n}-{async_mode}-{faults}").random() < 0.4
     log_size = rng.choice((100_000, 100_000, 40, 10, 4))
     sync_rate = rng.choice((100_000, 100_000, 500, 60))
     net = Network(n, seed, async_mode=async_mode, log_size=log_size, sync_rate=sync_rate,
@@ -3061,7 +3073,8 @@ def _run_schedule(seed, n, async_mode, production, faults, chaos_ms, settle_ms,
                   fsync_ms=rng.choice(((1, 2), (1, 8), (4, 30), (20, 120))),
                   snapshot_write_ms=rng.choice(((1, 5), (5, 60), (40, 400))),
                   snapshot_chunks=rng.choice(((1, 1), (1, 3), (1, 8))),
-                  push_interval_ms=rng.choice((0, ASYNC_PUSH_INTERVAL_MS, 20)) if async_mode else 0)
+                  push_interval_ms=rng.choice((0, ASYNC_PUSH_INTERVAL_MS, 20)) if async_mode else 0,
+                  snapshots_on_demand=on_demand)
     net.max_delay_ms = rng.choice((2, 5, 20, 80))
     net.drop_rate = rng.choice((0.0, 0.0, 0.02, 0.1))
     net.batch_rate = rng.choice((0.0, 0.0, 0.5, 0.9))

@@ -847,6 +847,43 @@ def test_lagging_slave_installs_the_masters_snapshot_file_after_a_broken_stream(
     work.final_check(m)
 
 
+@pytest.mark.parametrize("async_mode", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_snapshots_on_demand_are_written_only_for_a_slave_behind_the_log(seed, async_mode):
+    """Snapshots on demand (a node without a data directory): while both
+    slaves keep up, no snapshot is written however many entries go by, and
+    the log stays near log_size. A slave cut off meanwhile comes back
+    behind the master's log: the master writes a snapshot then, streams
+    it, holds its log after it, and the slave ends with its state."""
+    net = Network(3, seed, async_mode=async_mode, log_size=10, external_snapshots=True,
+                  snapshots_on_demand=True, snapshot_write_ms=(20, 60))
+    work = Workload(net, random.Random(seed), at_master=True, strict=not async_mode)
+    m = elect(net)
+    settle(net)
+    for k in range(60):
+        work.produce("a", retry_s=(0, 1)[k % 2], delay_s=None, ttl_s=None)
+        net.run_for(3)
+    assert net.run_until(lambda: work.idle(), 5_000)
+    assert net.stats["snapshots_written"] == 0
+    core = net.core(m)
+    assert len(core.log) <= core.log_size + native.COMPACT_SLACK
+    assert core.log.base_trans_id > 0  # compacted without a snapshot
+    s = next(i for i in net.ids if i != m)
+    net.isolate(s)
+    for k in range(60):
+        work.produce("b", retry_s=(0, 1)[k % 2], delay_s=None, ttl_s=None)
+        net.run_for(3)
+    assert net.run_until(lambda: work.idle(), 5_000)
+    assert net.stats["snapshots_written"] == 0  # nobody needed one yet
+    assert net.core(m).log.base_trans_id > net.core(s).log.last_trans_id
+    net.heal()
+    m = settle(net, 20_000)
+    assert net.stats["snapshots_written"] >= 1 and net.stats["snapshot_files_received"] >= 1
+    assert not net.core(m).snapshot_wanted
+    assert net.core(s).store.to_wire() == net.core(m).store.to_wire()
+    work.final_check(m)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_deferring_master_counts_its_own_copy_only_once_fsynced(seed):
     """Deferred sync (fsync=always): while both slaves keep up, they alone

@@ -140,6 +140,43 @@ def test_slave_behind_the_log_catches_up_through_a_streamed_snapshot(tmp_path):
     assert states[behind] == states[m]
 
 
+def test_a_cluster_in_memory_writes_a_snapshot_only_for_a_slave_behind_its_log(tmp_path):
+    """Without a data directory a snapshot serves only a slave behind the
+    log, so none is written while every slave keeps up (each one is the
+    whole store: every log_size entries, that cost three async nodes half
+    a core under load). A slave restarted empty is behind the master's
+    log: the master writes one then, streams it, and the slave catches up."""
+    c = Cluster(tmp_path, extra='  <queue_config log_size="200"/>\n')
+    try:
+        c.start_all()
+        m = c.wait_master()
+        client = TcpClient(c.port(m))
+        for i in range(1500):
+            assert client.request(action=1, queue=f"q{i % 3}", data=f"{i}:{DATA}")["code"] == 0
+        slaves = [i for i in range(1, 4) if i != m]
+        last = client.request(action=104)["trans_id"]
+        wait_until(lambda: all((c.ask(i, action=104) or {}).get("applied_id", 0) >= last - 5
+                               for i in slaves), deadline_s=60)
+        for i in (m, *slaves):
+            view = c.ask(i, action=104)
+            assert view["snapshot"]["taken"] == 0, (i, view["snapshot"])
+            assert view["log_size"] < 3 * 200, (i, view["log_size"])  # compacted all the same
+        behind = slaves[0]
+        c.kill(behind)
+        c.start(behind)  # empty: no data directory
+        wait_until(lambda: (lambda r: r is not None and r.get("applied_id", 0) >= last)(
+            c.ask(behind, action=104)), deadline_s=60)
+        assert c.ask(m, action=104)["snapshot"]["taken"] == 1
+        assert c.ask(m, action=104)["snapshot"]["sent"] >= 1
+        assert c.ask(behind, action=104)["snapshot"]["installed"] >= 1
+        for q in ("q0", "q1", "q2"):
+            mine, theirs = c.ask(behind, action=104, queue=q), c.ask(m, action=104, queue=q)
+            assert (mine["size"], mine["max_id"]) == (theirs["size"], theirs["max_id"])
+        client.close()
+    finally:
+        c.stop_all()
+
+
 def test_the_snapshot_writer_runs_below_the_nodes_cpu_priority():
     """The forked writer's setup (snapshots._child_setup, which
     _fork_snapshot runs in the child) raises its niceness by

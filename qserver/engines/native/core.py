@@ -175,6 +175,12 @@ MAX_BATCH_RECORDS = 2_000
 # to a request's size (1 MiB by default), so 2,000 of them would pass the
 # peers' frame limit (64 MiB), which a push must stay far below.
 MAX_BATCH_BYTES = 8 * 1024 * 1024
+# Snapshots written on demand (snapshots_on_demand): the log is held past
+# the newest snapshot, for a slave catching up from it, until it holds this
+# many log_size runs of entries after it; and while a snapshot is wanted,
+# not compacted at all until it holds as many (a writer that cannot write
+# does not grow it without end).
+ON_DEMAND_HOLD_LOGS = 2
 # Async mode with coalesced pushes (push_interval_ms): this many new records
 # are pushed at once, whatever the interval.
 PUSH_AT_ONCE_RECORDS = 500
@@ -291,7 +297,8 @@ class NativeCore:
                  async_mode: bool = False, sync_rate: int = 3000, log_size: int = 100_000,
                  vote_id: int = 0, voted_for: int = 0, external_snapshots: bool = False,
                  deferred_sync: bool = False, push_interval_ms: int = 0,
-                 snapshot: tuple[int, int] | None = None) -> None:
+                 snapshot: tuple[int, int] | None = None,
+                 snapshots_on_demand: bool = False) -> None:
         # `snapshot`: (trans_id, vote_id) of the newest snapshot when the
         # log's base is past it (a node alone that applied the log after it
         # as it was read back: the store holds everything up to the base);
@@ -354,6 +361,15 @@ class NativeCore:
         # the records after it. Without, a snapshot is built in memory and
         # sent as one message (the simulated network's way).
         self.external_snapshots = external_snapshots
+        # ...written on demand (a node without a data directory, whose
+        # snapshots serve only slaves behind its log): none is written until
+        # a slave needs one (`snapshot_wanted`, which the adapter answers
+        # with a writer), and the log is held past the newest only while a
+        # slave may be catching up from it (see _maybe_compact). Written
+        # every log_size entries instead, each one the whole store, they
+        # cost an async cluster's three nodes half a core under load.
+        self.snapshots_on_demand = snapshots_on_demand and external_snapshots
+        self.snapshot_wanted = False  # master, on demand: a slave needs a newer snapshot
         # Deferred sync (fsync=always): the master sends its records before
         # its own fsync has finished (which runs off the event loop) and
         # counts itself towards a majority only up to `durable_id`, which
@@ -456,6 +472,8 @@ class NativeCore:
         it, and slaves behind the log get it."""
         if trans_id > self.snapshot_id:
             self.snapshot_id, self.snapshot_vote = trans_id, vote_id
+        if self.snapshot_id >= self.log.base_trans_id:
+            self.snapshot_wanted = False  # slaves behind the log get this one
 
     def slaves(self) -> list[JsonObject]:
         """Per slave: match position and lag (meaningful on the master)."""
@@ -906,6 +924,7 @@ class NativeCore:
 
     def _become_master(self, now_ms: int) -> None:
         self.role = Role.MASTER
+        self.snapshot_wanted = False  # (a former term's)
         self.leader_id = self.node_id
         self.pre_voting = False
         self.became_master_ms = now_ms
@@ -1110,6 +1129,12 @@ class NativeCore:
         with external snapshots, ask the adapter to stream our newest one."""
         if self.external_snapshots:
             if self.snapshot_id <= 0 or self.snapshot_id < self.log.base_trans_id:
+                if self.snapshots_on_demand:
+                    # None covers our log's base: the adapter writes one now
+                    # (its point is past the base, which stays meanwhile:
+                    # _maybe_compact); the slave's next pull gets it.
+                    self.snapshot_wanted = True
+                    return
                 raise InvariantError(f"log compacted to {self.log.base_trans_id} past "
                                      f"the newest snapshot {self.snapshot_id}")
             self.ready.snapshot_sends.append((peer.node_id, self.snapshot_id, self.snapshot_vote))
@@ -1177,7 +1202,13 @@ class NativeCore:
             return
         upto = min(self.commit_id, self.applied_id)
         if self.external_snapshots and self.peers:  # a slave may need the log after it
-            upto = min(upto, self.snapshot_id)
+            if not self.snapshots_on_demand:
+                upto = min(upto, self.snapshot_id)
+            elif self.snapshot_wanted and self.role is Role.MASTER:
+                if len(self.log) < ON_DEMAND_HOLD_LOGS * self.log_size:
+                    return  # until the snapshot is written: its slave goes on after it
+            elif self.log.last_trans_id - self.snapshot_id < ON_DEMAND_HOLD_LOGS * self.log_size:
+                upto = min(upto, self.snapshot_id)  # a slave may be catching up from it
         if self.role is Role.MASTER and self.peers:
             # Records not yet pushed (coalesced, or appended this turn)
             # are pushed from the log to the slaves in step, even once

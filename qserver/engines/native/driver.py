@@ -175,7 +175,9 @@ class ClusterEngine:
             # async mode answers a write once it is on our disk: no deferral
             deferred_sync=(storage is not None and config.fsync is Fsync.ALWAYS
                            and config.mode is not Mode.ASYNC),
-            push_interval_ms=ASYNC_PUSH_INTERVAL_MS, snapshot=snapshot)
+            push_interval_ms=ASYNC_PUSH_INTERVAL_MS, snapshot=snapshot,
+            # without a data directory, a snapshot only serves a slave behind
+            snapshots_on_demand=storage is None)
         # The peer links and the forwarding over them: both or neither (a
         # node alone has no peers); only the links' callbacks use forwarder.
         self.net: PeerNetwork | None = None

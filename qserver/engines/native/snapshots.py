@@ -2,7 +2,9 @@
 newest to a slave, receiving one from the master.
 
 Writing: once `log_size` entries have been applied since the newest
-snapshot (a node alone: see `snapshot_due`), the node forks; the child
+snapshot (a node alone: see `snapshot_due`; a node without a data
+directory only when a slave behind its log needs one, as its snapshots
+serve nothing else: NativeCore.snapshot_wanted), the node forks; the child
 rolls its copy of the store back to the last committed entry (a master
 applies ahead of the commit), writes it as a snapshot file
 (storage.disk.write_snapshot_file) and exits, while the node goes on
@@ -285,10 +287,15 @@ class SnapshotFiles:
     def maybe_write(self) -> None:
         """Start a snapshot writer once log_size entries were applied since
         the newest snapshot (a node alone: see snapshot_due; one writer at
-        a time)."""
+        a time); without a data directory, once a slave needs one
+        (NativeCore.snapshot_wanted)."""
         if self._child is not None or self._loop is None:  # writing, or not started
             return
         core = self.core
+        if core.snapshots_on_demand:  # (a node without a data directory)
+            if core.snapshot_wanted and core.is_master and time.monotonic() >= self._retry_at:
+                self._fork_snapshot(*core.snapshot_point())
+            return
         since = core.applied_since_snapshot()
         if since < self.snapshot_every:  # (the common case, every turn: no call)
             return
