@@ -20,16 +20,9 @@ from qserver.engines.native.driver import ClusterEngine
 from qserver.state.log import Log
 from qserver.state.store import Store
 from qserver.wire.requests import ProduceRequest
+from test_engine_sync import until
 
 DEADLINE_S = 60.0
-
-
-async def until(predicate, what: str) -> None:
-    end = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        await asyncio.sleep(0.005)
 
 
 def produce(engine: ClusterEngine, data: str) -> bool:
