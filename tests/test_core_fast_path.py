@@ -343,3 +343,39 @@ def test_a_deferred_sync_pushes_every_turn_to_every_slave():
     for i in range(3):
         m.propose(entry(m, f"q{i}"), lambda result, error: None)
         assert [to for to, _ in pushes(m.take_ready(t + i))] == [2, 3]
+
+
+def test_a_snapshot_wanted_on_demand_holds_the_log_however_long_its_writer_takes():
+    """Snapshots on demand (a node without a data directory): a slave
+    behind the log makes the master want one; until it is written the log
+    is not compacted, however many entries come meanwhile, so the file
+    (of the state when the writer forked) is past the log's base when it
+    is adopted and the slave gets it. (Held only up to 2 x log_size, the
+    log moved past the writer's point under a steady load: the file was
+    stale when adopted, and another was wanted, without end.)"""
+    m = NativeCore(node_id=1, peer_ids=[1, 2, 3], store=Store(queue_size=10_000), log=Log(),
+                   me=LeaderInfo(node_id=1, host="127.0.0.1", port=1001),
+                   rng=random.Random(1), now_ms=NOW, log_size=10, external_snapshots=True,
+                   snapshots_on_demand=True)
+    m.vote_id = 1
+    m._become_master(NOW)
+    m.take_ready(NOW)
+
+    def write(n: int) -> None:  # n writes, committed by slave 2
+        for i in range(n):
+            m.propose(entry(m, f"w{i}"), lambda result, error: None)
+            m.take_ready(NOW)
+            m.step(PushReply(vote_id=1, node_id=2, match_id=m.log.last_trans_id), NOW)
+
+    write(2000)  # compacted without any snapshot
+    assert m.log.base_trans_id > 0 and m.snapshot_id == 0 and not m.snapshot_wanted
+    m.step(Pull(vote_id=1, node_id=3, trans_id=0, log_vote_id=0), NOW)  # behind the base
+    assert m.snapshot_wanted
+    point, vote = m.snapshot_point()  # the writer forks here
+    base = m.log.base_trans_id
+    write(2000)  # the writer takes long: 200 x log_size entries meanwhile
+    assert m.log.base_trans_id == base <= point
+    m.snapshot_taken(point, vote)
+    assert not m.snapshot_wanted  # it covers the base: the slave's next pull gets it
+    m.step(Pull(vote_id=1, node_id=3, trans_id=0, log_vote_id=0), NOW)
+    assert m.take_ready(NOW).snapshot_sends == [(3, point, vote)]

@@ -177,9 +177,8 @@ MAX_BATCH_RECORDS = 2_000
 MAX_BATCH_BYTES = 8 * 1024 * 1024
 # Snapshots written on demand (snapshots_on_demand): the log is held past
 # the newest snapshot, for a slave catching up from it, until it holds this
-# many log_size runs of entries after it; and while a snapshot is wanted,
-# not compacted at all until it holds as many (a writer that cannot write
-# does not grow it without end).
+# many log_size runs of entries after it (and while a snapshot is wanted,
+# not compacted at all: see _maybe_compact).
 ON_DEMAND_HOLD_LOGS = 2
 # Async mode with coalesced pushes (push_interval_ms): this many new records
 # are pushed at once, whatever the interval.
@@ -1205,8 +1204,11 @@ class NativeCore:
             if not self.snapshots_on_demand:
                 upto = min(upto, self.snapshot_id)
             elif self.snapshot_wanted and self.role is Role.MASTER:
-                if len(self.log) < ON_DEMAND_HOLD_LOGS * self.log_size:
-                    return  # until the snapshot is written: its slave goes on after it
+                # Until the snapshot is written, however long that takes
+                # (a store of millions of messages: seconds), its slave
+                # goes on after it; a cap would leave it stale when adopted
+                # and start another, without end under a steady load.
+                return
             elif self.log.last_trans_id - self.snapshot_id < ON_DEMAND_HOLD_LOGS * self.log_size:
                 upto = min(upto, self.snapshot_id)  # a slave may be catching up from it
         if self.role is Role.MASTER and self.peers:
