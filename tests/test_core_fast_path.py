@@ -24,12 +24,13 @@ NOW = 1_700_000_000_000
 
 
 def core(node_id: int, peers: list[int], *, async_mode: bool = False,
-         push_interval_ms: int = 0, deferred: bool = False) -> NativeCore:
+         push_interval_ms: int = 0, deferred: bool = False, **extra) -> NativeCore:
+    """`extra`: more NativeCore arguments (log_size, external_snapshots, ...)."""
     return NativeCore(node_id=node_id, peer_ids=peers, store=Store(queue_size=10_000),
                       log=Log(), me=LeaderInfo(node_id=node_id, host="127.0.0.1",
                                                port=1000 + node_id),
                       rng=random.Random(node_id), now_ms=NOW, async_mode=async_mode,
-                      push_interval_ms=push_interval_ms, deferred_sync=deferred)
+                      push_interval_ms=push_interval_ms, deferred_sync=deferred, **extra)
 
 
 def master_of_three(**kwargs) -> NativeCore:
@@ -353,13 +354,7 @@ def test_a_snapshot_wanted_on_demand_holds_the_log_however_long_its_writer_takes
     is adopted and the slave gets it. (Held only up to 2 x log_size, the
     log moved past the writer's point under a steady load: the file was
     stale when adopted, and another was wanted, without end.)"""
-    m = NativeCore(node_id=1, peer_ids=[1, 2, 3], store=Store(queue_size=10_000), log=Log(),
-                   me=LeaderInfo(node_id=1, host="127.0.0.1", port=1001),
-                   rng=random.Random(1), now_ms=NOW, log_size=10, external_snapshots=True,
-                   snapshots_on_demand=True)
-    m.vote_id = 1
-    m._become_master(NOW)
-    m.take_ready(NOW)
+    m = master_of_three(log_size=10, external_snapshots=True, snapshots_on_demand=True)
 
     def write(n: int) -> None:  # n writes, committed by slave 2
         for i in range(n):
