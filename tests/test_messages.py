@@ -3,6 +3,8 @@ peer sends is validated where it enters (engines.messages)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -31,6 +33,7 @@ from qserver.engines.messages import (
     message_to_wire,
 )
 from qserver.state.entries import Produce, Record, record_to_wire
+from qserver.wire.codec import encode_response
 from test_entries import records as any_records
 
 RECORD = Record(trans_id=5, vote_id=2, entry=Produce(
@@ -109,14 +112,39 @@ def test_forwarded_maps_must_be_json(tag, field, bad, problem):
     assert isinstance(message_from_peer(2, [tag, 1, 2, 5, bad]), str)
 
 
-def test_forwarded_maps_may_not_nest_without_bound():
+def _nested(depth: int, inner: object) -> dict:
+    """A map with `depth` maps or lists nested inside it, `inner` at the bottom."""
     deep: dict = {}
-    node = deep
-    for _ in range(MAX_JSON_DEPTH + 2):
-        node["a"] = {}
-        node = node["a"]
+    node: Any = deep
+    for i in range(depth):
+        child: Any = {} if i % 2 else []
+        if type(node) is dict:
+            node["a"] = child
+        else:
+            node.append(child)
+        node = child
+    if type(node) is dict:
+        node["z"] = inner
+    else:
+        node.append(inner)
+    return deep
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, MAX_JSON_DEPTH + 2, 5000])
+def test_forwarded_maps_may_not_nest_without_bound(depth):
     with pytest.raises(ValueError, match="nests deeper"):
-        message_from_wire([9, 1, 2, 5, deep])
+        message_from_wire([9, 1, 2, 5, _nested(depth, 1)])
+
+
+def test_the_nesting_bound_is_what_a_relayed_answer_can_be_encoded_with():
+    # As deep as the bound allows: accepted, and the client's encoding of it
+    # works (the check exists so that relaying an answer cannot fail there).
+    ok = _nested(MAX_JSON_DEPTH, "x")
+    assert message_from_wire([9, 1, 2, 5, ok]).response is ok
+    assert encode_response(ok).endswith(b"\n")
+    # A bad value deep inside is still named, not just "cannot be encoded".
+    with pytest.raises(ValueError, match="holds a bytes"):
+        message_from_wire([9, 1, 2, 5, _nested(40, b"raw")])
 
 
 def test_forward_cancel_wire_form():
