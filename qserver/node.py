@@ -127,6 +127,9 @@ class Node:
         handle = self.service.handle
         self.engine.handle_forwarded = lambda obj, t, respond, session: handle(
             obj, t, respond, forwarded=True, session=session)
+        # What `handle` tries first for a forwarded request, without the
+        # handler's and the answer's closures (the master's side of a relay).
+        self.engine.answer_forwarded_now = self.service.answer_now
         self.engine.on_fatal = self._engine_failed
         self.engine.on_role_change = self.service.role_changed
         self.service.schedule = self._schedule_tick

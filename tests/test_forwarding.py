@@ -549,6 +549,40 @@ def test_the_master_answers_a_batch_with_one_message_per_turn():
     run(main())
 
 
+def test_the_master_tries_the_fast_answer_first_and_keeps_the_order_of_a_turn():
+    async def main():
+        fwd, net = make(up=(2, 3), node_id=1)
+        handled: list[int] = []
+        fast_now: list[int] = []
+
+        def handler(request: dict, now_ms: int, respond, session) -> None:
+            handled.append(request["n"])
+            respond({"code": 0, "by": "handler", "n": request["n"]})
+
+        def answer_now(request: dict, now_ms: int) -> dict | None:
+            fast_now.append(now_ms)
+            if request["n"] == 1:
+                return None  # not its shape: the handler takes it
+            return {"code": 0, "by": "now", "n": request["n"]}
+
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=10, requests=tuple(
+            {"n": n} for n in range(3))), handler, answer_now)
+        fwd.serve(3, Forward(vote_id=7, node_id=3, request_id=5, request={"n": 7}), handler,
+                  answer_now)
+        assert handled == [1] and len(set(fast_now[:3])) == 1  # one clock reading a batch
+        (peer, wire), = net.sent  # the single forward's fast answer goes at once
+        reply = decode(1, wire)
+        assert peer == 3 and (reply.request_id, reply.response) == (5, {"code": 0, "by": "now",
+                                                                         "n": 7})
+        await next_turn()
+        msg = decode(1, net.sent[1][1])
+        assert msg.replies == ((10, {"code": 0, "by": "now", "n": 0}),
+                               (11, {"code": 0, "by": "handler", "n": 1}),
+                               (12, {"code": 0, "by": "now", "n": 2}))
+
+    run(main())
+
+
 def test_answers_over_the_frame_limit_go_one_by_one_and_a_gone_slave_gets_none():
     async def main():
         fwd, net = make(up=(2,), node_id=1)

@@ -23,8 +23,8 @@ from ..state.entries import Entry
 from ..stats import Histogram
 
 __all__ = ["Engine", "EngineStatus", "LeaderInfo", "Done", "JsonObject", "Respond",
-           "ForwardedHandler", "FatalHandler", "RoleHandler", "Cancel", "FORWARD_TIMEOUT_S",
-           "Session", "Role", "TransferDone"]
+           "ForwardedHandler", "AnswerNow", "FatalHandler", "RoleHandler", "Cancel",
+           "FORWARD_TIMEOUT_S", "Session", "Role", "TransferDone"]
 
 # A client's request or answer: a decoded JSON object.
 JsonObject = dict[str, Any]
@@ -83,6 +83,9 @@ class Session:
 # The node's service, for a request a slave forwarded: (request, now_ms,
 # respond, session); the session is closed if the slave's client goes.
 ForwardedHandler = Callable[[JsonObject, int, Respond, Session | None], None]
+# The service's fast path for a forwarded request (Service.answer_now): its
+# answer at once, or None for the handler to take it.
+AnswerNow = Callable[[JsonObject, int], JsonObject | None]
 # Told when the engine cannot go on (a write or fsync failed): the node stops.
 FatalHandler = Callable[[BaseException], None]
 # Told when this node becomes master (True) or stops being master (False).
@@ -155,6 +158,7 @@ class Engine(Protocol):
     # to this node is answered (the service), and what happens when the
     # engine cannot go on (the node stops at once).
     handle_forwarded: ForwardedHandler | None
+    answer_forwarded_now: AnswerNow | None  # tried first (a request that may wait: never)
     on_fatal: FatalHandler | None
     on_role_change: RoleHandler | None
 

@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ..wire.codec import error_response
-from .base import FORWARD_TIMEOUT_S, Cancel, ForwardedHandler, Respond, Session
+from .base import FORWARD_TIMEOUT_S, AnswerNow, Cancel, ForwardedHandler, Respond, Session
 from .messages import (
     FEATURE_FORWARD_BATCH,
     FEATURES,
@@ -269,18 +269,28 @@ class Forwarder:
 
     # -- master side ---------------------------------------------------------
 
-    def serve(self, peer_id: int, msg: Forward, handler: ForwardedHandler | None) -> None:
+    def serve(self, peer_id: int, msg: Forward, handler: ForwardedHandler | None,
+              answer_now: AnswerNow | None = None) -> None:
         """A slave forwarded a client request to us: answer it through
-        `handler` (the service; None before the node set it), and send the
-        answer back."""
+        `answer_now` (the service's fast path) or else `handler` (the
+        service; None before the node set it), and send the answer back."""
+        now = wall_ms()
+        if answer_now is not None:
+            response = answer_now(msg.request, now)
+            if response is not None:
+                self._send_reply(peer_id, self._vote_id(), msg.request_id, response)
+                return
+
         def reply(request_id: int, response: dict) -> None:
             self._send_reply(peer_id, self._vote_id(), request_id, response)
-        self._serve_one(peer_id, msg.request_id, msg.request, handler, reply, wall_ms())
+        self._serve_one(peer_id, msg.request_id, msg.request, handler, reply, now)
 
-    def serve_batch(self, peer_id: int, msg: ForwardBatch,
-                    handler: ForwardedHandler | None) -> None:
+    def serve_batch(self, peer_id: int, msg: ForwardBatch, handler: ForwardedHandler | None,
+                    answer_now: AnswerNow | None = None) -> None:
         """A slave forwarded a batch: as `serve` for each request; the
-        answers of a turn go back together, as one ForwardReplies."""
+        answers of a turn go back together, as one ForwardReplies. Those
+        `answer_now` gives (most, on an async master) go into the turn's
+        answers straight away, without a closure each."""
         replies = self._replies
 
         def reply(request_id: int, response: dict) -> None:
@@ -296,7 +306,11 @@ class Forwarder:
         now = wall_ms()
         request_id = msg.first_id
         for request in msg.requests:
-            self._serve_one(peer_id, request_id, request, handler, reply, now)
+            response = None if answer_now is None else answer_now(request, now)
+            if response is None:
+                self._serve_one(peer_id, request_id, request, handler, reply, now)
+            else:
+                reply(request_id, response)
             request_id += 1
 
     def _serve_one(self, peer_id: int, request_id: int, request: dict,

@@ -17,6 +17,7 @@ from ..state.log import COMPACT_SLACK, LONE_LOG_RECORDS, Log
 from ..state.store import Store
 from ..stats import Histogram
 from .base import (
+    AnswerNow,
     Cancel,
     Done,
     EngineStatus,
@@ -50,6 +51,7 @@ class LocalEngine:
         self.is_master = True
         # Nothing is forwarded to a lone node, and nothing here can fail.
         self.handle_forwarded: ForwardedHandler | None = None
+        self.answer_forwarded_now: AnswerNow | None = None
         self.on_fatal: FatalHandler | None = None
         self.on_role_change: RoleHandler | None = None  # never called: the role never changes
         # Receipts' epoch. The node passes its start time in ms: a node

@@ -83,6 +83,7 @@ from ...storage import (
 )
 from ...tls import peer_contexts
 from ..base import (
+    AnswerNow,
     Cancel,
     Done,
     EngineStatus,
@@ -198,6 +199,7 @@ class ClusterEngine:
         self._last_role: Role | None = None  # as last logged
         # Set by the node: how a request a slave forwarded is answered.
         self.handle_forwarded: ForwardedHandler | None = None
+        self.answer_forwarded_now: AnswerNow | None = None
         # Called with the error when storage fails at run time (the node
         # must stop; it recovers from disk on restart). Set by the Node.
         self.on_fatal: FatalHandler | None = None
@@ -436,13 +438,15 @@ class ClusterEngine:
             return
         # `type(msg) is C` written out each time: mypy narrows `msg` on it.
         if type(msg) is ForwardBatch:
-            self._forwarding().serve_batch(peer_id, msg, self.handle_forwarded)
+            self._forwarding().serve_batch(peer_id, msg, self.handle_forwarded,
+                                           self.answer_forwarded_now)
             return
         if type(msg) is ForwardReplies:
             self._forwarding().on_replies(msg)
             return
         if type(msg) is Forward:
-            self._forwarding().serve(peer_id, msg, self.handle_forwarded)
+            self._forwarding().serve(peer_id, msg, self.handle_forwarded,
+                                     self.answer_forwarded_now)
             return
         if type(msg) is ForwardReply:
             self._forwarding().on_reply(msg)

@@ -87,6 +87,7 @@ from ...stats import FSYNC_BUCKETS_S, PAUSE_BUCKETS_S, Histogram
 from ...storage import private_tmp_dir, remove_private_tmp_dir
 from ...tls import peer_contexts
 from ..base import (
+    AnswerNow,
     Cancel,
     Done,
     EngineStatus,
@@ -435,6 +436,7 @@ class RaftEngine:
         self.snapshot_pause_seconds = Histogram(PAUSE_BUCKETS_S)
         # Set by the node: how a request a slave forwarded is answered.
         self.handle_forwarded: ForwardedHandler | None = None
+        self.answer_forwarded_now: AnswerNow | None = None
         # The raft engine cannot fail on its own in a way the node must hear
         # of here: what escapes pysyncobj's thread is raised on the loop.
         self.on_fatal: FatalHandler | None = None
@@ -830,11 +832,12 @@ class RaftEngine:
             self._clients[peer_id] = LeaderInfo(node_id=peer_id, host=msg.client_host,
                                                 port=msg.client_port)
         elif isinstance(msg, ForwardBatch):
-            forwarder.serve_batch(peer_id, msg, self.handle_forwarded)
+            forwarder.serve_batch(peer_id, msg, self.handle_forwarded,
+                                  self.answer_forwarded_now)
         elif isinstance(msg, ForwardReplies):
             forwarder.on_replies(msg)
         elif isinstance(msg, Forward):
-            forwarder.serve(peer_id, msg, self.handle_forwarded)
+            forwarder.serve(peer_id, msg, self.handle_forwarded, self.answer_forwarded_now)
         elif isinstance(msg, ForwardReply):
             forwarder.on_reply(msg)
         elif isinstance(msg, Features):
