@@ -402,6 +402,9 @@ class Service:
                        forwarded: bool = False, session: Session | None = None) -> None:
         """`handle` without the fast path: for a request `answer_now` left
         alone (it returned None)."""
+        if not forwarded and type(obj) is dict and not self.engine.is_master and \
+                self._relay_now(obj, respond):
+            return
         try:
             req = parse_request(obj)
         except BadRequest as exc:
@@ -464,6 +467,24 @@ class Service:
             respond(request)
         else:  # parse_request returns only the types above
             respond(error_response("invalid action", request))
+
+    def _relay_now(self, obj: JsonObject, respond: Respond) -> bool:
+        """A slave's fast relay: a produce, consume or confirm that cannot
+        wait on the master goes to it as it came, unparsed (the master
+        parses it, and words any error in the same terms); True if it went
+        (or was answered "no leader"). False for anything else, which the
+        general path parses first: a consume with `wait` (relayed with its
+        wait on top of the timeout, and a cancel), a draining node's
+        requests (redirected), and every request when forward_request is
+        off (redirected). Saves a slave the parse and the dispatch of each
+        relayed request, about a sixth of its Python work per request."""
+        action = obj.get("action")
+        if (type(action) is not int or not 1 <= action <= 3 or self.draining
+                or not self.config.forward_request or obj.get("wait") is not None):
+            return False
+        if not self.engine.forward(obj, respond):
+            respond(error_response("no leader", obj))
+        return True
 
     def _not_master(self, obj: JsonObject, respond: Respond, forwarded: bool,
                     session: Session | None, wait_ms: int) -> None:

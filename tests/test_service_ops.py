@@ -21,7 +21,7 @@ import pytest
 
 from qserver.config import Config, PeerConfig
 from qserver.engines import LeaderInfo, LocalEngine
-from qserver.engines.base import EngineStatus, Role
+from qserver.engines.base import FORWARD_TIMEOUT_S, EngineStatus, Role
 from qserver.errors import BadRequest
 from qserver.service import Service
 from qserver.state.log import Log
@@ -57,6 +57,8 @@ class FakeClusterEngine(LocalEngine):
         self.in_contact = True
         self.master_commit_id: int | None = None
         self.forwarded: list[dict] = []
+        self.forward_timeouts: list[float | None] = []  # each forward's timeout_s
+        self.link_up = True  # False: forward finds no link to the master
         self.transfers: list[tuple[int, Any]] = []  # (node_id, done), in call order
         self.target: int | None = 3
 
@@ -74,7 +76,10 @@ class FakeClusterEngine(LocalEngine):
                             in_contact=self.in_contact, master_commit_id=self.master_commit_id)
 
     def forward(self, request, respond, timeout_s=None):
+        if not self.link_up:
+            return None
         self.forwarded.append(dict(request))
+        self.forward_timeouts.append(timeout_s)
         return lambda: None
 
     def transfer_leader(self, node_id, done) -> None:
@@ -253,6 +258,49 @@ def test_a_draining_node_still_answers_what_an_operator_needs():
     ok(node({"action": 0}))
     assert node.send({"action": 20, "node_id": 3}) == []  # sent on to the master
     assert node.fake.forwarded == [{"action": 20, "node_id": 3}]
+
+
+RELAYED_AS_THEY_CAME = [
+    {"action": 1, "queue": "q", "data": "x", "seq": 1},
+    {"action": 2, "queue": "q", "seq": 2},
+    {"action": 3, "queue": "q", "msg_id": 7, "seq": 3},
+    {"action": 1, "queue": "q", "messages": ["a", "b"]},
+    {"action": 2, "queue": "q", "count": 3, "lease": 5},
+    {"action": 2, "queue": "q", "wait": None},  # no wait after all
+    # Bad ones too: the master parses them and words the error as we would.
+    {"action": 1, "queue": "q"},
+    {"action": 3, "queue": "", "msg_id": "x"},
+]
+
+
+def test_a_slave_relays_produce_consume_and_confirm_as_they_came():
+    node = Node()
+    for request in RELAYED_AS_THEY_CAME:
+        assert node.send(dict(request)) == []  # the master's answer comes later
+    assert node.fake.forwarded == RELAYED_AS_THEY_CAME
+    assert node.fake.forward_timeouts == [None] * len(RELAYED_AS_THEY_CAME)  # the default
+
+
+def test_a_slave_parses_what_it_does_not_relay_as_it_came():
+    node = Node()
+    # A consume that may wait goes with its wait on top of the timeout.
+    assert node.send({"action": 2, "queue": "q", "wait": 2}) == []
+    assert node.fake.forward_timeouts == [FORWARD_TIMEOUT_S + 2]
+    error(node({"action": 2, "queue": "q", "wait": "soon"}), "wait must be a number of seconds")
+    # Another node's forward is not relayed again; nor is anything without
+    # a link to the master.
+    error(node({"action": 1, "queue": "q", "data": "x"}, forwarded=True), "no leader")
+    node.fake.link_up = False
+    assert error(node({"action": 1, "queue": "q", "data": "x", "seq": 4}), "no leader")["seq"] == 4
+    assert len(node.fake.forwarded) == 1
+    # Without forward_request, a redirect; while draining, a redirect that says so.
+    off = Node(forward_request=False)
+    resp = off({"action": 3, "queue": "q", "msg_id": 1})
+    assert (resp["code"], resp["leader_node_id"]) == (-2, 1) and "draining" not in resp
+    node.fake.link_up = True
+    ok(node({"action": 108}))
+    redirected(node({"action": 1, "queue": "q", "data": "x"}))
+    assert len(node.fake.forwarded) == 1
 
 
 def test_undo_takes_client_work_again():
