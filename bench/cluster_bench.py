@@ -381,6 +381,10 @@ class Bench:
     args: argparse.Namespace
     targets: list[Target]
     cells: dict = field(default_factory=dict)  # (proto, mode, target name) -> Cell
+    # CPU of the other targets' processes during the last run, in cores:
+    # background work of idle targets (snapshot writers, timers) that the
+    # measured target shares the machine with
+    idle_cores: float = 0.0
 
     def cell(self, proto: str, mode: str, name: str) -> Cell:
         return self.cells.setdefault((proto, mode, name), Cell())
@@ -395,12 +399,16 @@ class Bench:
                   record: bool) -> LoadResult:
         self.check_alive()
         gc.collect()  # not during the measurement
+        others = sorted({pid for o in self.targets for pid in o.pids} - set(t.pids))
+        idle0 = sum(pid_cpu_seconds(p) or 0.0 for p in others)
         cpu0, gen0 = t.cpu_seconds(), time.process_time()
         with bare_json_tcp(t.kind == "reference"):
             res = await loadgen.run_load(t.host, t.port, proto=proto, mode=mode,
                                          concurrency=self.args.concurrency, duration=seconds)
         gen = time.process_time() - gen0
         cpu1 = t.cpu_seconds()
+        self.idle_cores = (sum(pid_cpu_seconds(p) or 0.0 for p in others) - idle0) / max(
+            res.elapsed_s, 1e-9)
         if record and res.requests:
             cell = self.cell(proto, mode, t.name)
             cell.results.append(res)
@@ -453,7 +461,8 @@ class Bench:
                         print(f"  {proto} {mode:15} {t.name:16} run {i + 1}/{args.repeat}: "
                               f"{res.throughput:9,.0f} req/s p50 {res.p50_ms:6.3f} p99 "
                               f"{res.p99_ms:6.3f} ms errors {res.errors} srv {srv} us "
-                              f"gen {cell.gen_us[-1] if cell.gen_us else 0:5.1f} us{empty}",
+                              f"gen {cell.gen_us[-1] if cell.gen_us else 0:5.1f} us "
+                              f"idle targets {self.idle_cores:4.2f} cores{empty}",
                               flush=True)
 
 
