@@ -146,6 +146,10 @@ class Node:
         self._previous_handler: Callable[[asyncio.AbstractEventLoop, dict[str, Any]],
                                          object] | None = None
         self.connections: set[ClientTcpProtocol] = set()
+        # Connections with answers to write at the end of this loop turn
+        # (answered outside their own read: replicated writes, relayed
+        # answers), flushed by one callback for all of them.
+        self._to_flush: list[ClientTcpProtocol] = []
         self._tcp: asyncio.base_events.Server | None = None
         self._udp: asyncio.DatagramTransport | None = None
         self._stopped = asyncio.Event()
@@ -339,6 +343,22 @@ class Node:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def flush_at_turn_end(self, connection: ClientTcpProtocol) -> None:
+        """Write `connection`'s ready answers at the end of this loop turn,
+        with those of every other connection answered in it: one callback
+        a turn, not one per connection (a relayed batch or a commit answers
+        many clients at once)."""
+        to_flush = self._to_flush
+        if not to_flush:
+            asyncio.get_running_loop().call_soon(self._flush_connections)
+        to_flush.append(connection)
+
+    def _flush_connections(self) -> None:
+        to_flush = self._to_flush
+        self._to_flush = []
+        for connection in to_flush:
+            connection.deferred_flush()
 
     def connection_idle(self) -> None:
         """A connection owes no answers any more (or closed): during

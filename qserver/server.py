@@ -114,7 +114,6 @@ class ClientTcpProtocol(asyncio.Protocol):
         self.too_many_slots = False  # more than MAX_PIPELINE answers owed
         self.writes_blocked = False  # the transport's buffer is over its high mark
         self.flush_pending = False  # a flush is scheduled for this loop turn
-        self._loop: asyncio.AbstractEventLoop | None = None
         # Bound once: data_received runs per read, and these never change.
         self._feed = self.decoder.feed
         self._answer_now = node.service.answer_now
@@ -132,7 +131,6 @@ class ClientTcpProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH,  # type: ignore[attr-defined]
                                           low=WRITE_BUFFER_LOW)
         self.node.connections.add(self)
@@ -235,8 +233,6 @@ class ClientTcpProtocol(asyncio.Protocol):
             self._update_reading()
 
     def _responder(self, slot: list[bytes | None], started: int) -> Respond:
-        loop = self._loop
-        assert loop is not None  # set in connection_made, before any data
         count = self._count
 
         def respond(response: JsonObject) -> None:
@@ -245,12 +241,15 @@ class ClientTcpProtocol(asyncio.Protocol):
             if not self.batching and not self.flush_pending:
                 # Answers of replicated writes arrive together (one commit
                 # answers many): one write for all of them, at the end of
-                # this turn, instead of one write(2) each.
+                # this turn, instead of one write(2) each; and one callback
+                # for every connection answered in the turn.
                 self.flush_pending = True
-                loop.call_soon(self._deferred_flush)
+                self.node.flush_at_turn_end(self)
         return respond
 
-    def _deferred_flush(self) -> None:
+    def deferred_flush(self) -> None:
+        """The end of the turn this connection was answered in (the node's
+        flush_at_turn_end)."""
         self.flush_pending = False
         self._flush()
 

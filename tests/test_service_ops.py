@@ -264,7 +264,7 @@ RELAYED_AS_THEY_CAME = [
     {"action": 1, "queue": "q", "data": "x", "seq": 1},
     {"action": 2, "queue": "q", "seq": 2},
     {"action": 3, "queue": "q", "msg_id": 7, "seq": 3},
-    {"action": 1, "queue": "q", "messages": ["a", "b"]},
+    {"action": 1, "queue": "q", "messages": [{"data": "a"}, {"data": "b"}]},
     {"action": 2, "queue": "q", "count": 3, "lease": 5},
     {"action": 2, "queue": "q", "wait": None},  # no wait after all
     # Bad ones too: the master parses them and words the error as we would.
