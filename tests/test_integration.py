@@ -133,6 +133,10 @@ BAD_REQUESTS = [
     (b'{"action":10,"queue":"bad","msg_id":1,"lease":-1}', "lease must be positive"),
     (b'{"action":11,"queue":"bad","msg_id":1}', "no such message"),
     (b'{"action":1,,}', "invalid json"),
+    # deeper than an answer (which echoes the fields) can be written: refused
+    # before it is carried out, not stored with an answer that cannot go
+    (b'{"action":1,"queue":"bad","data":"x","seq":' + b"[" * 300 + b"]" * 300 + b"}",
+     "request nests deeper than 253 levels"),
 ]
 
 

@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from qserver.errors import BadRequest, ProtocolError
 from qserver.wire.codec import (
     DEFAULT_MAX_REQUEST_SIZE,
+    MAX_DEPTH,
     StreamDecoder,
     decode_datagram,
     encode_response,
     error_response,
+    too_deep,
 )
 
 # The start of the request that follows the input under test.
@@ -221,6 +223,38 @@ ERROR_CASES = {
 @pytest.mark.parametrize("data,expected", ERROR_CASES.values(), ids=ERROR_CASES.keys())
 def test_errors_three_ways(data, expected):
     assert_three_ways(data, expected)
+
+
+def _nested_request(depth: int, brackets_in_strings: int = 0) -> bytes:
+    """A produce with `depth` lists nested inside it (in `seq`), and a data
+    string full of brackets."""
+    seq = "[" * depth + "]" * depth
+    return orjson.dumps({"action": 1, "queue": "q", "data": "{[" * brackets_in_strings,
+                         "seq": orjson.Fragment(seq.encode())})
+
+
+@pytest.mark.parametrize("brackets_in_strings", [0, 400])
+def test_a_request_nested_past_what_an_answer_can_carry_is_that_request_only(
+        brackets_in_strings):
+    # As deep as orjson writes (an answer echoes the request's fields): kept,
+    # and its answer can be encoded. One level more: refused, the stream goes
+    # on; whole, byte by byte, newline-framed, after a split read, by UDP.
+    ok = _nested_request(MAX_DEPTH, brackets_in_strings)
+    deep = _nested_request(MAX_DEPTH + 1, brackets_in_strings)
+    very = _nested_request(900, brackets_in_strings)  # orjson reads up to 1024
+    (value,) = whole(ok)
+    assert type(value) is dict and not too_deep(value)
+    assert encode_response(value).endswith(b"\n")
+    refused = ("BadRequest", f"request nests deeper than {MAX_DEPTH} levels")
+    for bad in (deep, very):
+        assert_three_ways(bad, [BadRequest(refused[1])])
+        assert whole(ok + bad + ok) == norm([value, BadRequest(refused[1]), value])
+        assert whole(bad + b"\n" + ok + b"\n") == norm([BadRequest(refused[1]), value])
+        d = StreamDecoder()
+        assert d.feed(bad[:40]) == []
+        assert norm(d.feed(bad[40:] + b"\n")) == [refused]
+        assert norm([decode_datagram(bad, 65_507)]) == [refused]
+    assert decode_datagram(ok, 65_507) == value
 
 
 def test_bad_frame_is_that_request_only():

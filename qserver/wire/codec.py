@@ -22,6 +22,11 @@ Rules
   nothing. The server answers once and closes the connection.
 - A complete request longer than the limit is a `BadRequest`; the stream
   goes on (its end is known).
+- So is one that nests deeper than MAX_DEPTH (containers inside the top
+  value): orjson reads four times as deep as it writes, and an answer
+  echoes the request's fields, so such a request would be carried out and
+  its answer could not be written. Brackets bound the depth, so only a
+  request with more than MAX_DEPTH + 1 of them is walked (`too_deep`).
 
 Responses are one JSON object and a newline (`encode_response`).
 
@@ -38,6 +43,8 @@ import orjson
 from ..errors import BadRequest, ProtocolError
 
 __all__ = [
+    "MAX_DEPTH",
+    "too_deep",
     "StreamDecoder",
     "decode_datagram",
     "encode_response",
@@ -62,6 +69,45 @@ _NON_WS = re.compile(rb"[^ \t\r\n]")
 _OPEN = frozenset(b"{[")
 _QUOTE = ord('"')
 _OPEN_CHARS = (ord("{"), ord("["))
+
+
+# The deepest a request may nest: containers inside the top value, as
+# orjson encodes them (a map of 253 nested levels is written, 254 is not).
+MAX_DEPTH = 253
+# A value nested deeper than MAX_DEPTH has MAX_DEPTH + 2 pairs of brackets
+# at least: a shorter frame needs no look (the usual request, a few hundred
+# bytes at most, costs one length test); a longer one with at most
+# _BRACKETS_OK opening brackets needs no walk.
+_SHORT_OK = 2 * (MAX_DEPTH + 2)
+_BRACKETS_OK = MAX_DEPTH + 1
+TOO_DEEP = f"request nests deeper than {MAX_DEPTH} levels"
+
+
+def too_deep(value: object) -> bool:
+    """Whether `value` has containers nested more than MAX_DEPTH deep inside
+    it. Walked without recursion (a peer's or client's deep value costs no
+    stack)."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        if type(item) is dict:
+            stack.extend((v, depth + 1) for v in item.values()
+                         if type(v) is dict or type(v) is list)
+        elif type(item) is list:
+            stack.extend((v, depth + 1) for v in item if type(v) is dict or type(v) is list)
+    return False
+
+
+def _bounded(value: object, frame: bytes | bytearray, start: int = 0,
+             end: int | None = None) -> object:
+    """`value`, decoded from frame[start:end] (at least _SHORT_OK bytes: the
+    callers test the length first), or a BadRequest if it nests too deep."""
+    if (frame.count(b"{", start, end) + frame.count(b"[", start, end) > _BRACKETS_OK
+            and too_deep(value)):
+        return BadRequest(TOO_DEEP)
+    return value
 
 
 def _loads(frame: bytes | bytearray | memoryview) -> object:
@@ -116,6 +162,8 @@ class StreamDecoder:
         buf += data[:nl]
         try:
             value = orjson.loads(buf)
+            if len(buf) >= _SHORT_OK:
+                value = _bounded(value, buf)
         except orjson.JSONDecodeError:
             del buf[len(buf) - nl:]  # as it was: the scanner judges
             return None
@@ -132,9 +180,11 @@ class StreamDecoder:
             return None
         if len(data) <= self.max_size:
             try:
-                return [orjson.loads(data)]
+                value = orjson.loads(data)
             except orjson.JSONDecodeError:
                 pass
+            else:
+                return [value if len(data) < _SHORT_OK else _bounded(value, data)]
         if b"\n" not in tail:
             return None
         out: list[object] = []
@@ -149,7 +199,8 @@ class StreamDecoder:
                 # framer refuses it (a stream poison): let it judge.
                 return None
             try:
-                out.append(orjson.loads(line))
+                value = orjson.loads(line)
+                out.append(value if len(line) < _SHORT_OK else _bounded(value, line))
             except orjson.JSONDecodeError:
                 return None  # a value spanning lines: frame it properly
         return out
@@ -202,7 +253,9 @@ class StreamDecoder:
                     if pos - start > max_size:
                         out.append(BadRequest("request too large"))
                     else:
-                        out.append(_loads(memoryview(buf)[start:pos]))
+                        value = _loads(memoryview(buf)[start:pos])
+                        out.append(value if pos - start < _SHORT_OK
+                                   else _bounded(value, buf, start, pos))
                     start = -1
         if start >= 0 and end - start > max_size:
             self._poison(out, "request too large")
@@ -232,7 +285,8 @@ def decode_datagram(data: bytes, max_size: int) -> object:
     """Decode one UDP datagram: a JSON value or a BadRequest."""
     if len(data) > max_size:
         return BadRequest("request too large")
-    return _loads(data)
+    value = _loads(data)
+    return value if len(data) < _SHORT_OK else _bounded(value, data)
 
 
 _DUMPS = orjson.dumps
