@@ -583,6 +583,35 @@ def test_the_master_tries_the_fast_answer_first_and_keeps_the_order_of_a_turn():
     run(main())
 
 
+def test_a_request_refused_as_it_came_in_is_answered_alone_and_the_rest_served():
+    async def main():
+        fwd, net = make(up=(2, 3), node_id=1)
+        served: list[dict] = []
+
+        def handler(request: dict, now_ms: int, respond, session) -> None:
+            served.append(request)
+            respond({"code": 0, "n": request["n"]})
+
+        # as message_from_wire decodes a batch holding a map JSON cannot carry
+        wire = [16, 7, 2, 10, [{"n": 0}, {"n": b"raw"}, {"n": 2}]]
+        batch = message_from_peer(2, wire)
+        assert isinstance(batch, ForwardBatch)
+        fwd.serve_batch(2, batch, handler, lambda request, now_ms: None)
+        single = message_from_peer(3, [8, 7, 3, 4, {"n": {"deep": b"x"}}])
+        assert isinstance(single, Forward)
+        fwd.serve(3, single, handler)
+        assert served == [{"n": 0}, {"n": 2}]
+        reply = decode(1, net.sent[0][1])
+        assert reply.request_id == 4 and reply.response["code"] == -1
+        assert "forwarded request holds a bytes" in reply.response["reason"]
+        await next_turn()
+        msg = decode(1, net.sent[1][1])
+        assert [(i, r["code"]) for i, r in msg.replies] == [(10, 0), (11, -1), (12, 0)]
+        assert "holds a bytes" in msg.replies[1][1]["reason"]
+
+    run(main())
+
+
 def test_answers_over_the_frame_limit_go_one_by_one_and_a_gone_slave_gets_none():
     async def main():
         fwd, net = make(up=(2,), node_id=1)

@@ -275,22 +275,28 @@ class Forwarder:
         `answer_now` (the service's fast path) or else `handler` (the
         service; None before the node set it), and send the answer back."""
         now = wall_ms()
+        request = msg.request
+        if isinstance(request, str):  # refused as it came in: answered so
+            self._send_reply(peer_id, self._vote_id(), msg.request_id,
+                             {"code": -1, "reason": request})
+            return
         if answer_now is not None:
-            response = answer_now(msg.request, now)
+            response = answer_now(request, now)
             if response is not None:
                 self._send_reply(peer_id, self._vote_id(), msg.request_id, response)
                 return
 
         def reply(request_id: int, response: dict) -> None:
             self._send_reply(peer_id, self._vote_id(), request_id, response)
-        self._serve_one(peer_id, msg.request_id, msg.request, handler, reply, now)
+        self._serve_one(peer_id, msg.request_id, request, handler, reply, now)
 
     def serve_batch(self, peer_id: int, msg: ForwardBatch, handler: ForwardedHandler | None,
                     answer_now: AnswerNow | None = None) -> None:
         """A slave forwarded a batch: as `serve` for each request; the
         answers of a turn go back together, as one ForwardReplies. Those
         `answer_now` gives (most, on an async master) go into the turn's
-        answers straight away, without a closure each."""
+        answers straight away, without a closure each; a request refused as
+        it came in (not a map JSON can carry) is answered code -1 alone."""
         replies = self._replies
 
         def reply(request_id: int, response: dict) -> None:
@@ -306,11 +312,14 @@ class Forwarder:
         now = wall_ms()
         request_id = msg.first_id
         for request in msg.requests:
-            response = None if answer_now is None else answer_now(request, now)
-            if response is None:
-                self._serve_one(peer_id, request_id, request, handler, reply, now)
+            if isinstance(request, str):  # refused as it came in: the others go on
+                reply(request_id, {"code": -1, "reason": request})
             else:
-                reply(request_id, response)
+                response = None if answer_now is None else answer_now(request, now)
+                if response is None:
+                    self._serve_one(peer_id, request_id, request, handler, reply, now)
+                else:
+                    reply(request_id, response)
             request_id += 1
 
     def _serve_one(self, peer_id: int, request_id: int, request: dict,

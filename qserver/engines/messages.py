@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..state.entries import Kind, Produce, Record, record_from_wire, record_to_wire
+from ..wire.codec import MAX_DEPTH
 
 if TYPE_CHECKING:
     from ..state.store import SnapshotLoader
@@ -177,7 +178,9 @@ class Forward:
     vote_id: int
     node_id: int
     request_id: int  # the slave's handle for the answer
-    request: dict[str, Any]  # the client's JSON object
+    # the client's JSON object; a str: why it was refused as it came in
+    # (not a map JSON can carry), which the master answers with code -1
+    request: dict[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,7 +249,9 @@ class ForwardBatch:
     vote_id: int
     node_id: int
     first_id: int
-    requests: tuple[dict[str, Any], ...]  # the clients' JSON objects
+    # the clients' JSON objects; a str as in Forward.request: a request
+    # refused on its own, so that one bad request costs none of the others
+    requests: tuple[dict[str, Any] | str, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -334,9 +339,10 @@ def _bool(value: object, what: str) -> bool:
 
 # How deep a forwarded request or answer may nest (maps or lists inside the
 # top map): orjson encodes no deeper (a deeper answer could not reach the
-# client anyway); walked without recursion, so a peer's deep map costs no
+# client anyway), and a client's request is refused deeper than that where
+# it comes in; walked without recursion, so a peer's deep map costs no
 # stack.
-MAX_JSON_DEPTH = 253
+MAX_JSON_DEPTH = MAX_DEPTH
 _dumps = orjson.dumps
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -379,6 +385,14 @@ def _json_walk(value: dict[str, Any], what: str) -> None:
                     stack.append((v, depth + 1))
         elif type(item) not in _JSON_SCALARS:
             raise ValueError(f"{what} holds a {type(item).__name__}, which JSON cannot carry")
+
+
+def _forwarded(value: object) -> dict[str, Any] | str:
+    """A forwarded request, or why it cannot be served (see Forward)."""
+    try:
+        return _json_map(value, "forwarded request")
+    except ValueError as exc:
+        return str(exc)
 
 
 def message_from_wire(obj: object) -> Message:
@@ -429,7 +443,7 @@ def message_from_wire(obj: object) -> Message:
                     log_vote_id=_n(obj[4], "log_vote_id"))
     if tag == 8 and n == 5:
         return Forward(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
-                       request=_json_map(obj[4], "forwarded request"))
+                       request=_forwarded(obj[4]))
     if tag == 9 and n == 5:
         return ForwardReply(vote_id=vote_id, node_id=node_id, request_id=_n(obj[3], "request_id"),
                             response=_json_map(obj[4], "forwarded response"))
@@ -438,7 +452,7 @@ def message_from_wire(obj: object) -> Message:
         if not isinstance(requests, (list, tuple)) or not requests:
             raise ValueError("forward batch requests must be a non-empty list")
         return ForwardBatch(vote_id=vote_id, node_id=node_id, first_id=_n(obj[3], "first_id"),
-                            requests=tuple(_json_map(r, "forwarded request") for r in requests))
+                            requests=tuple(_forwarded(r) for r in requests))
     if tag == 17 and n == 4:
         flat = obj[3]
         if not isinstance(flat, (list, tuple)) or not flat or len(flat) % 2:
