@@ -243,8 +243,8 @@ class ClientTcpProtocol(asyncio.Protocol):
                 # answers many): one write for all of them, at the end of
                 # this turn, instead of one write(2) each; and one callback
                 # for every connection answered in the turn.
-                self.flush_pending = True
                 self.node.flush_at_turn_end(self)
+                self.flush_pending = True
         return respond
 
     def deferred_flush(self) -> None:
