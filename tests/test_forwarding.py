@@ -10,9 +10,11 @@ processes is tested in test_cluster_integration.py and test_raft_cluster.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
+from qserver.config import Config, PeerConfig
 from qserver.engines.base import Session
 from qserver.engines.forwarding import FORWARD_TIMEOUT_S, Forwarder
 from qserver.engines.messages import (
@@ -26,6 +28,7 @@ from qserver.engines.messages import (
     ForwardReply,
     message_from_peer,
 )
+from qserver.node import Node
 
 
 class FakeNet:
@@ -644,3 +647,14 @@ def test_a_waiting_request_in_a_batch_can_be_cancelled():
         assert sessions[1].closed
 
     run(main())
+
+
+@pytest.mark.parametrize("peers", [False, True])
+def test_the_node_gives_the_engine_the_services_fast_path_for_forwarded_requests(peers):
+    config = Config.default()
+    if peers:  # a cluster node (its engine is built, not started: no sockets)
+        config = dataclasses.replace(config, node_id=1, peers=tuple(
+            PeerConfig(node_id=i, host="127.0.0.1", port=1 + i) for i in (1, 2, 3)))
+    node = Node(config)
+    assert node.engine.answer_forwarded_now == node.service.answer_now
+    assert node.engine.handle_forwarded is not None
