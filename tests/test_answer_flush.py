@@ -13,25 +13,7 @@ import orjson
 from qserver.config import Config
 from qserver.node import Node
 from qserver.server import ClientTcpProtocol
-
-
-class _Transport:
-    """What a client protocol writes, kept."""
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.written.append(data)
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default=None):
-        return default
-
-    def close(self) -> None:
-        pass
+from test_alone_fast_path import _Transport
 
 
 def _connect(node: Node) -> tuple[ClientTcpProtocol, _Transport]:
