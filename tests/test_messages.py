@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from qserver.engines.messages import (
     FEATURES,
-    MAX_JSON_DEPTH,
     Features,
     Forward,
     ForwardBatch,
@@ -33,7 +32,7 @@ from qserver.engines.messages import (
     message_to_wire,
 )
 from qserver.state.entries import Produce, Record, record_to_wire
-from qserver.wire.codec import encode_response
+from qserver.wire.codec import MAX_DEPTH, encode_response
 from test_entries import records as any_records
 
 RECORD = Record(trans_id=5, vote_id=2, entry=Produce(
@@ -140,7 +139,7 @@ def _nested(depth: int, inner: object) -> dict:
     return deep
 
 
-@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, MAX_JSON_DEPTH + 2, 5000])
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, MAX_DEPTH + 2, 5000])
 def test_forwarded_maps_may_not_nest_without_bound(depth):
     with pytest.raises(ValueError, match="nests deeper"):
         message_from_wire([9, 1, 2, 5, _nested(depth, 1)])
@@ -149,7 +148,7 @@ def test_forwarded_maps_may_not_nest_without_bound(depth):
 def test_the_nesting_bound_is_what_a_relayed_answer_can_be_encoded_with():
     # As deep as the bound allows: accepted, and the client's encoding of it
     # works (the check exists so that relaying an answer cannot fail there).
-    ok = _nested(MAX_JSON_DEPTH, "x")
+    ok = _nested(MAX_DEPTH, "x")
     assert message_from_wire([9, 1, 2, 5, ok]).response is ok
     assert encode_response(ok).endswith(b"\n")
     # A bad value deep inside is still named, not just "cannot be encoded".

@@ -337,12 +337,9 @@ def _bool(value: object, what: str) -> bool:
     return value
 
 
-# How deep a forwarded request or answer may nest (maps or lists inside the
-# top map): orjson encodes no deeper (a deeper answer could not reach the
-# client anyway), and a client's request is refused deeper than that where
-# it comes in; walked without recursion, so a peer's deep map costs no
-# stack.
-MAX_JSON_DEPTH = MAX_DEPTH
+# A forwarded request or answer nests no deeper than a client's request may
+# (wire.codec.MAX_DEPTH: what orjson encodes); the walk below goes without
+# recursion, so a peer's deep map costs no stack.
 _dumps = orjson.dumps
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -371,8 +368,8 @@ def _json_walk(value: dict[str, Any], what: str) -> None:
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH}")
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{what} nests deeper than {MAX_DEPTH}")
         if type(item) is dict:
             for key, v in item.items():
                 if type(key) is not str:
