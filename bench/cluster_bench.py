@@ -2,7 +2,8 @@
 floor, one node in memory, one node with storage, three-node clusters, and
 queue_server's C++ cluster beside them.
 
-    python bench/cluster_bench.py [--parts floor,single,storage,cluster] [--repeat 3]
+    python bench/cluster_bench.py [--parts floor,single,storage,cluster,floor-cluster]
+        [--repeat 3]
         [--seconds 2] [--warmup 0.5] [--protos tcp,udp] [--modes produce,consume_confirm]
         [--concurrency 8] [--reference HOST:PORT,... | --start-reference] [--dir DIR]
 
@@ -19,6 +20,12 @@ bench, so every figure is measured under the same conditions):
   nodes, `mode="quorum"` with `<storage fsync="batch">` (qserver's default
   guarantees); each measured sent to its master and sent to a slave
   (forward_request=1: the slave relays to the master).
+- `floor-cluster`: the no-op cluster, bench/floor_cluster.py, async and
+  quorum, to the master and to a slave: three processes that move
+  requests, pushes and acknowledgements between them as qserver's native
+  engine does and do nothing else (no store, no disk). What any Python
+  cluster built this way can reach on this machine: the cluster goals
+  read against it (the ratios "no-op ... / C++" and "... / no-op ...").
 - the reference (with --reference or --start-reference): queue_server's
   C++ three-node cluster, asynchronous, memory only, sent to its master
   and to a slave (found with action 8). --start-reference builds it if
@@ -89,7 +96,7 @@ import loadgen  # noqa: E402
 from loadgen import CONSUME_QUEUE, LoadResult  # noqa: E402
 from run_bench import PREFILL_MARGIN, Cell, ServerProcess, free_port  # noqa: E402
 
-PARTS = ("floor", "single", "storage", "cluster")
+PARTS = ("floor", "single", "storage", "cluster", "floor-cluster")
 PROTOS = loadgen.PROTOS
 MODES = ("produce", "consume_confirm")
 FSYNC_POLICIES = dur.FSYNC_POLICIES  # off, batch, always
@@ -233,6 +240,40 @@ async def start_cluster(root: str, name: str, mode: str) -> list[Target]:
     return [Target(f"{name}->{role}", "qserver", c.client_ports[i], pids,
                    admin_port=c.client_ports[master], alive=gone)
             for role, i in (("master", master), ("slave", slave))]
+
+
+def start_floor_cluster(root: str, mode: str) -> list[Target]:
+    """Three bench/floor_cluster.py processes (`mode` async or quorum): the
+    no-op cluster. Returns the targets "floor-MODE->master" and
+    "floor-MODE->slave"."""
+    script = os.path.join(BENCH_DIR, "floor_cluster.py")
+    internal = free_port()
+    master = ServerProcess(
+        f"floor-{mode} master",
+        [sys.executable, script, "--role", "master", "--mode", mode, "--port", str(free_port()),
+         "--internal-port", str(internal)],
+        os.path.join(root, f"floor-{mode}-1.log"))
+    _FLOORS.append(master)
+    slaves = []
+    for i in (2, 3):
+        s = ServerProcess(
+            f"floor-{mode} slave", [sys.executable, script, "--role", "slave", "--port",
+                                    str(free_port()), "--master", f"127.0.0.1:{internal}"],
+            os.path.join(root, f"floor-{mode}-{i}.log"))
+        _FLOORS.append(s)
+        slaves.append(s)
+    for s in (*slaves, master):  # the master is ready once both slaves are linked
+        s.wait_ready()
+    procs = [master, *slaves]
+    pids = [s.proc.pid for s in procs]
+
+    def gone() -> str | None:
+        for s in procs:
+            if s.proc.poll() is not None:
+                return f"{s.name} exited with {s.proc.returncode}"
+        return None
+    return [Target(f"floor-{mode}->{role}", "noop", s.port, pids, host=s.host, alive=gone)
+            for role, s in (("master", master), ("slave", slaves[0]))]
 
 
 def start_floor(root: str) -> tuple[Target, ServerProcess]:
@@ -458,7 +499,7 @@ class Bench:
                         srv = f"{cell.server_us[-1]:6.1f}" if cell.server_us and \
                             len(cell.server_us) == len(cell.results) else "     -"
                         empty = f" EMPTY {res.empty}" if res.empty else ""
-                        print(f"  {proto} {mode:15} {t.name:16} run {i + 1}/{args.repeat}: "
+                        print(f"  {proto} {mode:15} {t.name:20} run {i + 1}/{args.repeat}: "
                               f"{res.throughput:9,.0f} req/s p50 {res.p50_ms:6.3f} p99 "
                               f"{res.p99_ms:6.3f} ms errors {res.errors} srv {srv} us "
                               f"gen {cell.gen_us[-1] if cell.gen_us else 0:5.1f} us "
@@ -474,7 +515,7 @@ def _median(values: list[float]) -> float | None:
 
 def print_table(bench: Bench) -> None:
     args = bench.args
-    header = (f"{'proto':5} {'mode':15} {'target':16} {'runs':>4} {'min req/s':>10} "
+    header = (f"{'proto':5} {'mode':15} {'target':20} {'runs':>4} {'min req/s':>10} "
               f"{'median':>10} {'max':>10} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
               f"{'srv us':>7} {'gen us':>7} {'x floor':>7}")
     print(header)
@@ -494,7 +535,7 @@ def print_table(bench: Bench) -> None:
                 empty = sum(r.empty for r in rs)
                 note = f"  (queue ran dry: {empty} empty consumes)" if empty and \
                     t.kind != "noop" else ""
-                print(f"{proto:5} {mode:15} {t.name:16} {len(rs):>4} {min(tp):>10,.0f} "
+                print(f"{proto:5} {mode:15} {t.name:20} {len(rs):>4} {min(tp):>10,.0f} "
                       f"{statistics.median(tp):>10,.0f} {max(tp):>10,.0f} "
                       f"{statistics.median(r.p50_ms for r in rs):>7.3f} "
                       f"{statistics.median(r.p99_ms for r in rs):>7.3f} "
@@ -516,6 +557,23 @@ RATIOS = (
      GOAL_QUORUM_P99_MS),
     ("   quorum batch / C++ async, to a slave", "quorum->slave", "c++->slave", GOAL_QUORUM,
      GOAL_QUORUM_P99_MS),
+    # The no-op cluster (floor-cluster): what any Python cluster built this
+    # way can reach here, against C++ and against qserver's own.
+    ("   no-op async cluster / C++, to the master", "floor-async->master", "c++->master",
+     None, None),
+    ("   no-op async cluster / C++, to a slave", "floor-async->slave", "c++->slave", None, None),
+    ("   no-op quorum cluster / C++ async, to the master", "floor-quorum->master",
+     "c++->master", None, None),
+    ("   no-op quorum cluster / C++ async, to a slave", "floor-quorum->slave", "c++->slave",
+     None, None),
+    ("   async cluster / no-op async cluster, to the master", "async->master",
+     "floor-async->master", None, None),
+    ("   async cluster / no-op async cluster, to a slave", "async->slave", "floor-async->slave",
+     None, None),
+    ("   quorum batch / no-op quorum cluster, to the master", "quorum->master",
+     "floor-quorum->master", None, None),
+    ("   quorum batch / no-op quorum cluster, to a slave", "quorum->slave",
+     "floor-quorum->slave", None, None),
 )
 
 
@@ -626,6 +684,9 @@ async def _run(args: argparse.Namespace, root: str, reference: Reference | None,
     if "cluster" in args.parts:
         for mode in ("async", "quorum"):
             targets += await start_cluster(root, mode, mode)
+    if "floor-cluster" in args.parts:
+        for mode in ("async", "quorum"):
+            targets += await asyncio.to_thread(start_floor_cluster, root, mode)
     addresses = args.reference
     if reference is not None:
         addresses = await asyncio.to_thread(reference.start)
