@@ -25,7 +25,11 @@ What it does, each step as cheaply as qserver does it or more cheaply:
   engine coalesces its async pushes every 2 ms).
 - quorum: a turn's answers wait for the first slave's acknowledgement of the
   push that carries their records (a majority of three: the master and one
-  slave); one push per loop turn that read requests.
+  slave). As qserver's native engine in quorum mode does (its spare
+  pushes), one slave gets a push every loop turn that read requests, the
+  other the records pushed since every SPARE_PUSH_INTERVAL_S; only the
+  former's acknowledgements release answers (it is the one that has them
+  first).
 - A slave decodes its clients' requests (qserver's framing:
   codec.StreamDecoder, decode_datagram) and relays them to the master as
   they are, all of a turn's requests in one frame (as a qserver slave
@@ -69,6 +73,7 @@ from qserver.wire.codec import (
 )
 
 ASYNC_PUSH_INTERVAL_S = 0.002  # engines.native.driver.ASYNC_PUSH_INTERVAL_MS
+SPARE_PUSH_INTERVAL_S = 0.002  # engines.native.core.SPARE_PUSH_MS
 _LEN = struct.Struct(">I")
 _pack = msgpack.Packer().pack
 # Internal message kinds: the first element of each frame's list.
@@ -117,6 +122,7 @@ class Master:
         self.expected_slaves = slaves
         self.links: list[asyncio.Transport] = []
         self.records: list[bytes] = []  # not yet pushed
+        self.spare_records: list[bytes] = []  # quorum: pushed to the first slave only
         self.seq = 0  # pushes so far
         self.acked = 0  # highest push seq a slave acknowledged
         # quorum: answers held until `acked` reaches their seq:
@@ -129,7 +135,9 @@ class Master:
         self.loop = asyncio.get_running_loop()
 
     def start(self) -> None:
-        if not self.quorum:
+        if self.quorum:
+            self.loop.call_later(SPARE_PUSH_INTERVAL_S, self._spare_push)
+        else:
             self.loop.call_later(ASYNC_PUSH_INTERVAL_S, self._timed_push)
 
     def _timed_push(self) -> None:
@@ -137,15 +145,33 @@ class Master:
         self.loop.call_later(ASYNC_PUSH_INTERVAL_S, self._timed_push)
 
     def push(self) -> None:
-        """One push of every record not yet pushed to every slave."""
+        """One push of every record not yet pushed: to every slave (async),
+        or to the first one, the others' records kept for the spare push
+        (quorum)."""
         self.flush_scheduled = False
         if not self.records or not self.links:
             return
         self.seq += 1
         data = frame([PUSH, self.seq, self.records])
+        if self.quorum:
+            self.links[0].write(data)
+            if len(self.links) > 1:
+                self.spare_records += self.records
+        else:
+            for link in self.links:
+                link.write(data)
         self.records = []
-        for link in self.links:
-            link.write(data)
+
+    def _spare_push(self) -> None:
+        """Quorum: the records pushed to the first slave since the last
+        spare push, to the others (their acknowledgements release
+        nothing)."""
+        if self.spare_records:
+            data = frame([PUSH, 0, self.spare_records])
+            self.spare_records = []
+            for link in self.links[1:]:
+                link.write(data)
+        self.loop.call_later(SPARE_PUSH_INTERVAL_S, self._spare_push)
 
     def after_turn(self) -> None:
         """Quorum: push this turn's records at its end."""
@@ -219,7 +245,8 @@ class MasterUdp(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr) -> None:
         obj = decode_datagram(data, MAX_UDP_PAYLOAD)
         if type(obj) is BadRequest:
-            self.udp.sendto(encode_response(error_response(obj.reason)), addr)
+            self.master.udp.sendto(  # type: ignore[union-attr]
+                encode_response(error_response(obj.reason)), addr)
             return
         self.master.records.append(data)
         self.master.send_to(answer(obj), addr)
@@ -256,8 +283,9 @@ class MasterLink(asyncio.Protocol):
                 replies = []
                 records = master.records
                 for cid, obj in message[1]:
-                    records.append(obj)
-                    replies.append([cid, answer(obj)])
+                    encoded = answer(obj)
+                    records.append(encoded)  # (the request's fields and "code")
+                    replies.append([cid, encoded])
                 master.send(self.transport, frame([REPLIES, replies]))
                 master.after_turn()
 
@@ -363,6 +391,12 @@ class SlaveLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.slave.link = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # No master, no answers: the slave stops rather than leave its
+        # clients waiting (the bench sees it gone).
+        print(f"floor_cluster: link to the master lost ({exc})", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def data_received(self, data: bytes) -> None:
         acks = []
