@@ -62,7 +62,7 @@ node share the machine's cores).
 
 Every process started here is stopped at the end, also on Ctrl-C, SIGTERM
 or an error. The default run (all parts, the reference, 3 repeats) takes
-about 9 minutes on the 2-core development machine.
+about 7 minutes on the 2-core development machine.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ the C++ cluster's can be read (bench/cluster_bench.py --parts floor-cluster).
 What it does, each step as cheaply as qserver does it or more cheaply:
 - The master answers every request as the no-op server does
   (noop_server.answer: the request echoed with "code": 0). The request's
-  bytes stand for its log record: they are pushed to every slave, all of
-  them at once per push (a length-prefixed msgpack frame, as
-  engines.peers frames its messages), and every slave acknowledges each
-  push with one small frame.
+  bytes (or, relayed, its answer's) stand for its log record: the records
+  go to the slaves in pushes, several records a push (a length-prefixed
+  msgpack frame, as engines.peers frames its messages), and a slave
+  acknowledges each push with one small frame.
 - async (queue_server's mode): answers leave in the turn that read the
-  requests; pushes go out every ASYNC_PUSH_INTERVAL_S (qserver's native
-  engine coalesces its async pushes every 2 ms).
+  requests; pushes go out to both slaves every ASYNC_PUSH_INTERVAL_S
+  (qserver's native engine coalesces its async pushes every 2 ms).
 - quorum: a turn's answers wait for the first slave's acknowledgement of the
   push that carries their records (a majority of three: the master and one
   slave). As qserver's native engine in quorum mode does (its spare
@@ -110,6 +110,21 @@ class FrameReader:
         return out
 
 
+def _release(held: list, seq: int) -> list:
+    """Take out of `held` (in push order) the entries whose push is `seq`
+    or earlier."""
+    i = 0
+    while i < len(held) and held[i][0] <= seq:
+        i += 1
+    out = held[:i]
+    del held[:i]
+    return out
+
+
+def _answer_bad_datagram(transport, reason: str, addr) -> None:
+    transport.sendto(encode_response(error_response(reason)), addr)
+
+
 # -- the master ---------------------------------------------------------------
 
 
@@ -195,20 +210,10 @@ class Master:
         if seq <= self.acked:
             return
         self.acked = seq
-        held = self.held
-        i = 0
-        while i < len(held) and held[i][0] <= seq:
-            _, transport, data = held[i]
+        for _, transport, data in _release(self.held, seq):
             transport.write(data)  # type: ignore[attr-defined]
-            i += 1
-        del held[:i]
-        held = self.udp_held
-        i = 0
-        while i < len(held) and held[i][0] <= seq:
-            _, addr, data = held[i]
+        for _, addr, data in _release(self.udp_held, seq):
             self.udp.sendto(data, addr)  # type: ignore[union-attr]
-            i += 1
-        del held[:i]
 
 
 class MasterClient(asyncio.Protocol):
@@ -245,8 +250,7 @@ class MasterUdp(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr) -> None:
         obj = decode_datagram(data, MAX_UDP_PAYLOAD)
         if type(obj) is BadRequest:
-            self.master.udp.sendto(  # type: ignore[union-attr]
-                encode_response(error_response(obj.reason)), addr)
+            _answer_bad_datagram(self.master.udp, obj.reason, addr)
             return
         self.master.records.append(data)
         self.master.send_to(answer(obj), addr)
@@ -368,8 +372,7 @@ class SlaveUdp(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr) -> None:
         obj = decode_datagram(data, MAX_UDP_PAYLOAD)
         if type(obj) is BadRequest:
-            self.slave.udp.sendto(  # type: ignore[union-attr]
-                encode_response(error_response(obj.reason)), addr)
+            _answer_bad_datagram(self.slave.udp, obj.reason, addr)
             return
         slave = self.slave
         cid = slave.next_id
