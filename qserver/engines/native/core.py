@@ -115,6 +115,19 @@ new master must be seen within an election timeout of the TimeoutNow
 takes writes again. Safety does not depend on the transfer: it only starts
 an election early, with the usual ballots and one vote per vote_id.
 
+A stall (`stalled`). Silence is judged by the clock: a slave elects
+itself once its master has been quiet for an election timeout, and a master
+steps down once a majority has not answered it for as long (check-quorum).
+A node that could not run for a while (a long garbage collection, a paused
+process or VM, an overloaded host) heard nothing meanwhile, through no
+fault of the others; when every node of a cluster stalls together (one
+host), each finds the others silent on its first tick after it, and the
+master stepped down at once. The adapter reports such a stall (its timer
+fired that late) with `stalled(ms)` before the tick: the timeouts that
+judge silence move on by that much, as if the stall had not happened.
+Heartbeats are not delayed. Only liveness depends on this: ballots and
+majorities, not clocks, make the role changes safe.
+
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
 logs with the same (vote_id, trans_id) entry are identical up to it; every
@@ -762,6 +775,25 @@ class NativeCore:
         if peer_id in self.peers:
             self._send(peer_id, Hello(vote_id=self.vote_id, node_id=self.node_id,
                                       client_host=self.me.host, client_port=self.me.port))
+
+    def stalled(self, ms: int) -> None:
+        """Input: this node could not run for the last `ms` milliseconds
+        (see "A stall" in the module docstring). The timeouts that judge
+        the others' silence (the election timeout, check-quorum, who is
+        connected, whether we hear a master, a transfer's deadline) move
+        on by `ms`; the next `tick` acts on what is still due. Call it
+        before that tick."""
+        if ms <= 0:
+            return
+        self.election_due_ms += ms
+        self.master_heard_ms += ms
+        for peer in self.peers.values():
+            if peer.heard_ms >= 0:
+                peer.heard_ms += ms
+            if peer.acked_ms >= 0:
+                peer.acked_ms += ms
+        if self.transfer is not None:
+            self.transfer.due_ms += ms
 
     def tick(self, now_ms: int) -> None:
         """Advance timers to `now_ms`."""

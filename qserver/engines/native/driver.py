@@ -125,6 +125,11 @@ log = logging.getLogger(__name__)
 # loaded machine does not trigger elections.
 DEFAULT_TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)
 
+# A timer that fires at least this late means the event loop stalled (the
+# core's "A stall"): it was armed for a deadline at most a heartbeat away,
+# and a busy loop turn takes milliseconds. The core is told before it ticks.
+STALL_MS = 200
+
 # Async mode: new records are pushed at most this often (NativeCore's
 # push_interval_ms): one push carries several turns' records, which saves
 # the slaves a turn, a decode and an acknowledgement per turn of the master.
@@ -681,7 +686,15 @@ class ClusterEngine:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.core.tick(now_ms())
+        now = now_ms()
+        late = now - self._timer_at
+        if late >= STALL_MS:
+            # libuv runs the timers that expired during a stall before it
+            # reads the sockets: what the others sent meanwhile is unread.
+            log.info("node %d: event loop stalled for about %d ms; timeouts moved on by as "
+                     "much", self.config.node_id, late)
+            self.core.stalled(late)
+        self.core.tick(now)
         self._flush()
 
     def _role_changed(self) -> None:

@@ -141,6 +141,15 @@ _RAFT_TIMING = dict(raftMinTimeout=0.6, raftMaxTimeout=1.2, appendEntriesPeriod=
                     leaderFallbackTimeout=1.2, connectionTimeout=3.5,
                     connectionRetryTime=0.5)
 
+# A stall (the native core's "A stall"): pysyncobj's thread ticks every
+# autoTickPeriod, and each tick judges silence (the election deadline, the
+# leader's fallback) before it reads its sockets. Ticks this much further
+# apart than that mean the process could not run (a long garbage
+# collection, a paused process or VM); the deadlines that judge the others'
+# silence move on by the gap first (_QueueSync._onTick), as the native
+# engine's do.
+RAFT_STALL_S = 0.2
+
 # pysyncobj retries binding its port every bindRetryTime, by default for
 # ever: a node whose raft port is taken would serve clients and never take
 # part in an election. It gets RAFT_BIND_TRIES tries, RAFT_BIND_RETRY_S
@@ -303,6 +312,7 @@ class _QueueSync(RaftAppends):
         self._journal: DurableJournal | None = None
         self._policy = engine.config.fsync
         self._last_sync = 0.0
+        self._last_tick = time.monotonic()  # (set first: the tick thread starts in __init__)
 
         def make_journal(path):
             if path is None:
@@ -321,6 +331,11 @@ class _QueueSync(RaftAppends):
         # on state nobody knows any more (a journal whose fsync failed); it
         # is raised on the event loop instead, whose exception handler
         # stops the node (node.Node.fatal).
+        now = time.monotonic()
+        gap = now - self._last_tick - timeToWait  # beyond the poll's wait (RAFT_STALL_S)
+        self._last_tick = now
+        if gap >= RAFT_STALL_S:
+            self._stalled(gap)
         try:
             super()._onTick(timeToWait)
             if self.transfer_request is not None:
@@ -328,6 +343,18 @@ class _QueueSync(RaftAppends):
         except Exception as exc:
             self._engine._from_thread(_raised_in_pysyncobj_thread, exc)
             raise
+
+    def _stalled(self, gap: float) -> None:
+        """The process could not run for about `gap` s (RAFT_STALL_S): move
+        the election deadline and every peer's last answer (the leader's
+        fallback) on by as much, before the tick judges them. pysyncobj's
+        own attributes, on its thread."""
+        log.info("node %d: stalled for about %.0f ms; timeouts moved on by as much",
+                 self._engine.config.node_id, gap * 1000)
+        self._SyncObj__raftElectionDeadline += gap
+        answered = self._SyncObj__lastResponseTime
+        for node in answered:
+            answered[node] += gap
 
     # Leader transfer, on pysyncobj's thread. The loop sets
     # `transfer_request` (one assignment) to the target's raft address; from
