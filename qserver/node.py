@@ -16,7 +16,6 @@ import asyncio
 import ctypes
 import gc
 import logging
-import random
 import time
 import traceback
 from collections.abc import Callable
@@ -64,15 +63,7 @@ HAND_OVER_ON_STOP_S = 3.0
 # of 1,000,000 produces into a node alone took 10.3 s under the default
 # ones and 6.2 s so.
 GC_THRESHOLDS = (100_000, 2**31 - 1, 2**31 - 1)
-# A full collection walks every stored message's entry (a store of 2,500,000
-# messages: 200-770 ms, measured under load), so the nodes of a cluster must
-# not collect together: each draws its interval anew, uniformly within
-# GC_FULL_JITTER of GC_FULL_INTERVAL_S. Started together, they used to
-# collect together: while both slaves collected, the master could hear from
-# neither for longer than an election timeout and step down (check-quorum;
-# seen with collections every 15 s), and clients waited for an election.
 GC_FULL_INTERVAL_S = 300.0
-GC_FULL_JITTER = 0.5
 
 # Memory freed after a burst of writes (a pipelined fill's buffers, what a
 # fast stream of pushes and answers held) stays in the C heap, counted in
@@ -83,11 +74,6 @@ GC_FULL_JITTER = 0.5
 # a few ms (3.7 for a 400 MB heap), on a quiet node. None where the C
 # library has no malloc_trim.
 TRIM_CHECK_S = 1.0
-
-
-def _full_gc_interval() -> float:
-    """Seconds to the next full collection (GC_FULL_JITTER)."""
-    return GC_FULL_INTERVAL_S * random.uniform(1 - GC_FULL_JITTER, 1 + GC_FULL_JITTER)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -287,7 +273,7 @@ class Node:
                 self.http.close()
             raise
         # Once started: a start that failed leaves no timer behind.
-        self._gc_timer = loop.call_later(_full_gc_interval(), self._full_gc)
+        self._gc_timer = loop.call_later(GC_FULL_INTERVAL_S, self._full_gc)
         if MALLOC_TRIM is not None:
             self._trim_timer = loop.call_later(TRIM_CHECK_S, self._trim_once_quiet)
         protocols = ("tls" if ssl_context is not None else "tcp") + ("+udp" if self._udp else "")
@@ -335,8 +321,7 @@ class Node:
 
     def _full_gc(self) -> None:
         gc.collect()
-        self._gc_timer = asyncio.get_running_loop().call_later(_full_gc_interval(),
-                                                               self._full_gc)
+        self._gc_timer = asyncio.get_running_loop().call_later(GC_FULL_INTERVAL_S, self._full_gc)
 
     def _trim_once_quiet(self) -> None:
         """Every TRIM_CHECK_S: give the C heap's free memory back to the

@@ -81,7 +81,7 @@ def test_a_master_that_stalled_steps_down_on_its_first_tick_unless_told_of_the_s
     assert m.role is Role.SLAVE
 
     m = master_answered_at(t0)
-    m.stalled(late)
+    m.stalled(late, resumed)
     m.tick(resumed)
     assert m.role is Role.MASTER and m.vote_id == 1
     sent = m.take_ready(resumed).messages
@@ -92,7 +92,7 @@ def test_a_master_still_steps_down_when_its_slaves_stay_silent_after_a_stall():
     t0 = NOW + 2 * E
     m = master_answered_at(t0)
     late = STALL - H
-    m.stalled(late)
+    m.stalled(late, t0 + STALL)
     m.tick(t0 + STALL)
     assert m.is_master
     # their answers count as given `late` later: the timeout runs from there
@@ -113,7 +113,7 @@ def test_a_slave_that_stalled_waits_out_its_election_timeout_after_the_stall():
 
     s = slave_heard_at(t0)
     left = s.election_due_ms - t0
-    s.stalled(resumed - t0 - H)
+    s.stalled(resumed - t0 - H, resumed)
     s.step(Ping(vote_id=1, node_id=3, leader_id=1, last_vote_id=0, last_trans_id=0), resumed)
     s.tick(resumed)
     assert not pre_votes(s)
@@ -123,11 +123,66 @@ def test_a_slave_that_stalled_waits_out_its_election_timeout_after_the_stall():
     assert pre_votes(s)
 
 
+def test_what_was_heard_since_the_stall_is_not_moved_again():
+    """A stall inside a callback (a long collection): the loop reads the
+    sockets before the late timer fires, so the master's heartbeat and
+    the slaves' answers are already in; the stall must not push them (and
+    the election timeout they restarted) further into the future."""
+    t0 = NOW + 2 * E
+    resumed = t0 + STALL
+    m = master_answered_at(t0)
+    for peer in (2, 3):
+        m.step(PushReply(vote_id=1, node_id=peer, match_id=m.log.last_trans_id), resumed)
+    m.stalled(STALL - H, resumed)
+    assert all(p.acked_ms == resumed for p in m.peers.values())
+    m.tick(resumed + E + 1)  # silent since: check-quorum counts from the answers, not past them
+    assert m.role is Role.SLAVE
+
+    s = slave_heard_at(NOW)
+    resumed = NOW + STALL
+    s.step(Push(vote_id=1, node_id=1, prev_vote_id=0, prev_trans_id=0, records=(),
+                commit_id=0, last_trans_id=0), resumed)
+    due = s.election_due_ms
+    s.stalled(STALL - H, resumed)
+    assert s.election_due_ms == due and s.master_heard_ms == resumed
+
+
+def test_a_master_back_from_a_long_stall_takes_writes_once_a_majority_answers():
+    """It may have been replaced meanwhile: in async mode a write it
+    answered at once would be lost. It refuses writes ("no leader", which
+    clients retry) until a majority answers a push sent after the stall."""
+    t0 = NOW + 2 * E
+    resumed = t0 + STALL
+    m = master_answered_at(t0)
+    m.stalled(STALL - H, resumed)
+    m.tick(resumed)
+    assert m.is_master and m.confirming_role
+    answers: list = []
+    m.propose(m.store.decide_produce_values("q", "x", None, None, 0, resumed),
+              lambda result, error: answers.append(error))
+    assert answers == ["no leader"] and m.log.last_trans_id == 1  # nothing appended
+    pushes = [msg for _, msg in m.take_ready(resumed).messages if type(msg) is Push]
+    assert len(pushes) == 2 and pushes[0].read_round == m.confirming
+    m.step(PushReply(vote_id=1, node_id=2, match_id=1, read_round=pushes[0].read_round),
+           resumed + 1)
+    assert not m.confirming_role  # two of three
+    m.propose(m.store.decide_produce_values("q", "x", None, None, 0, resumed),
+              lambda result, error: answers.append(error))
+    assert m.log.last_trans_id == 2
+
+
+def test_a_master_back_from_a_short_stall_keeps_taking_writes():
+    t0 = NOW + 2 * E
+    m = master_answered_at(t0)
+    m.stalled(E - 3 * H, t0 + E - 2 * H)  # the slaves cannot have elected anyone
+    assert not m.confirming_role
+
+
 def test_a_stall_of_nothing_changes_nothing():
     s = slave_heard_at(NOW)
     due = s.election_due_ms
-    s.stalled(0)
-    s.stalled(-5)
+    s.stalled(0, NOW + 10)
+    s.stalled(-5, NOW + 10)
     assert s.election_due_ms == due
 
 

@@ -121,12 +121,20 @@ steps down once a majority has not answered it for as long (check-quorum).
 A node that could not run for a while (a long garbage collection, a paused
 process or VM, an overloaded host) heard nothing meanwhile, through no
 fault of the others; when every node of a cluster stalls together (one
-host), each finds the others silent on its first tick after it, and the
+host), each finds the others silent on its first tick after it (a paused
+process runs its expired timers before it reads its sockets), and the
 master stepped down at once. The adapter reports such a stall (its timer
-fired that late) with `stalled(ms)` before the tick: the timeouts that
-judge silence move on by that much, as if the stall had not happened.
-Heartbeats are not delayed. Only liveness depends on this: ballots and
-majorities, not clocks, make the role changes safe.
+fired that late) with `stalled(ms, now_ms)` before the tick: the times
+that judge silence move on by that much, as if the stall had not happened,
+but never past now (a stall inside a callback is followed by a read of the
+sockets before the timer: what that read set is not moved again).
+Heartbeats are not delayed. A master whose stall was long enough for the
+slaves to elect another (an election timeout less two heartbeats) takes no
+write (`propose` answers "no leader", as during a transfer) until a
+majority has echoed a read round sent after it, which takes a round trip:
+in async mode a write it answered at once, if it had been replaced, would
+be lost. Only liveness depends on all this: ballots and majorities, not
+clocks, make the role changes safe.
 
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
@@ -401,6 +409,9 @@ class NativeCore:
         # for a majority to echo a round sent after it was asked for.
         self.read_round = 0  # master: the round pushes carry now
         self.round_sent_any = False  # master: a push carried read_round already
+        # master back from a long stall: the read round a majority must echo
+        # before it takes writes again (`stalled`); 0: none
+        self.confirming = 0
         # master: (trans_id, vote_id at it, round, done) of waiting reads, in
         # the order asked (so trans_id and round never decrease along it)
         self.reads: deque[tuple[int, int | None, int, Done]] = deque()
@@ -414,6 +425,12 @@ class NativeCore:
     @property
     def is_master(self) -> bool:
         return self.role is Role.MASTER
+
+    @property
+    def confirming_role(self) -> bool:
+        """A master back from a long stall that takes no writes until a
+        majority answers it (`stalled`)."""
+        return self.confirming > 0
 
     @property
     def transferring(self) -> bool:
@@ -546,7 +563,7 @@ class NativeCore:
                     self.spares_behind and now_ms >= self.spare_due_ms):
                 self._push_new(now_ms)
                 self.push_due_ms = now_ms + self.push_interval_ms
-            if self.reads and self.peers:
+            if (self.reads or self.confirming) and self.peers:
                 # Waiting reads need a push of the current round to everyone
                 # who has not had one (a heartbeat where no records went).
                 for peer in self.peers.values():
@@ -597,7 +614,7 @@ class NativeCore:
         if self.role is not Role.MASTER:
             done(None, NOT_MASTER)
             return
-        if self.transfer is not None:
+        if self.transfer is not None or self.confirming:
             done(None, TRANSFERRING)  # at once, nothing appended: as for "not master"
             return
         record = self.log.append_entry(entry, self.vote_id)
@@ -633,7 +650,7 @@ class NativeCore:
         reserves the exact size on disk before anything is appended)."""
         ready = self.ready
         if (self.role is not Role.MASTER or self.deferred_sync or self.transfer is not None
-                or (self.peers and not self.async_mode)
+                or self.confirming or (self.peers and not self.async_mode)
                 or ready.records or ready.truncate_after is not None
                 or ready.snapshot is not None):
             raise InvariantError("append_now needs a master alone or in async mode, nothing "
@@ -688,6 +705,14 @@ class NativeCore:
                 answers.append(partial(done, None, None))
             else:  # cannot happen on a master (it never truncates); be safe
                 answers.append(partial(done, None, OUTCOME_UNKNOWN))
+
+    def _confirmed(self) -> None:
+        """After a long stall (`stalled`): writes again once a majority has
+        echoed the round we confirm (we count as echoing every round)."""
+        echoed = sorted([self.read_round] + [p.read_acked for p in self.peers.values()],
+                        reverse=True)
+        if echoed[self.quorum - 1] >= self.confirming:
+            self.confirming = 0
 
     def transfer_leader(self, node_id: int, done: TransferDone, now_ms: int) -> None:
         """Input: hand the master role to `node_id` (see "Leader transfer"
@@ -776,24 +801,37 @@ class NativeCore:
             self._send(peer_id, Hello(vote_id=self.vote_id, node_id=self.node_id,
                                       client_host=self.me.host, client_port=self.me.port))
 
-    def stalled(self, ms: int) -> None:
-        """Input: this node could not run for the last `ms` milliseconds
-        (see "A stall" in the module docstring). The timeouts that judge
-        the others' silence (the election timeout, check-quorum, who is
-        connected, whether we hear a master, a transfer's deadline) move
-        on by `ms`; the next `tick` acts on what is still due. Call it
-        before that tick."""
+    def stalled(self, ms: int, now_ms: int) -> None:
+        """Input: this node could not run for the `ms` milliseconds before
+        `now_ms` (see "A stall" in the module docstring). The times that
+        judge the others' silence (when we last heard each, and a master
+        and its answers; the election timeout; a transfer's deadline) move
+        on by `ms`, never past now: what was read since the stall (the node
+        may read before it learns of it) is not moved again. A master that
+        may have been replaced meanwhile confirms its role first
+        (`confirming`). Call it before the next `tick`."""
         if ms <= 0:
             return
-        self.election_due_ms += ms
-        self.master_heard_ms += ms
+        if self.master_heard_ms < now_ms - ms:  # (else the election timeout restarted since)
+            self.election_due_ms = min(self.election_due_ms + ms,
+                                       now_ms + 2 * self.timing.election_ms)
+        self.master_heard_ms = min(self.master_heard_ms + ms, now_ms)
         for peer in self.peers.values():
             if peer.heard_ms >= 0:
-                peer.heard_ms += ms
+                peer.heard_ms = min(peer.heard_ms + ms, now_ms)
             if peer.acked_ms >= 0:
-                peer.acked_ms += ms
+                peer.acked_ms = min(peer.acked_ms + ms, now_ms)
         if self.transfer is not None:
             self.transfer.due_ms += ms
+        if (self.role is Role.MASTER and self.peers
+                and ms >= self.timing.election_ms - 2 * self.timing.heartbeat_ms):
+            # Long enough for the slaves to have elected another master:
+            # no write until a majority answers a push sent from now on
+            # (a read round; `_confirmed`), or a newer epoch deposes us.
+            if self.round_sent_any:
+                self.read_round += 1
+                self.round_sent_any = False
+            self.confirming = self.read_round
 
     def tick(self, now_ms: int) -> None:
         """Advance timers to `now_ms`."""
@@ -989,6 +1027,7 @@ class NativeCore:
         was_master = self.role is Role.MASTER
         self.role = Role.SLAVE
         self.pre_voting = False
+        self.confirming = 0
         self.leader_id = leader_id
         self.election_due_ms = now_ms + self._election_timeout()
         if was_master:
@@ -1102,6 +1141,8 @@ class NativeCore:
         if msg.read_round > peer.read_acked:
             peer.read_acked = min(msg.read_round, self.read_round)
             self._maybe_answer_reads()
+            if self.confirming:
+                self._confirmed()
 
     def _refill(self, now_ms: int) -> None:
         elapsed = now_ms - self.refill_ms

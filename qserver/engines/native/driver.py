@@ -200,6 +200,7 @@ class ClusterEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
+        self._timer_armed = 0  # when the timer was armed (now_ms)
         self._flush_scheduled = False
         self._last_role: Role | None = None  # as last logged
         # Set by the node: how a request a slave forwarded is answered.
@@ -623,6 +624,7 @@ class ClusterEngine:
         next flush once a write takes the general path (propose)."""
         storage = self.storage
         on = (self._fast_ok and self.core.is_master and not self.core.transferring
+              and not self.core.confirming_role
               and not self._disk_full and not self._failed and not self._closing
               and not self.core.ready.records)
         if on and storage is not None and storage.room < self._reserved + self._fast_room:
@@ -681,19 +683,23 @@ class ClusterEngine:
                 return
             self._timer.cancel()
         self._timer_at = deadline
-        delay = max(0.0, (deadline - now_ms()) / 1000.0)
+        now = now_ms()
+        self._timer_armed = now  # (a deadline already past when armed is not a stall)
+        delay = max(0.0, (deadline - now) / 1000.0)
         self._timer = self._running.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         now = now_ms()
-        late = now - self._timer_at
+        late = now - max(self._timer_at, self._timer_armed)
         if late >= STALL_MS:
-            # libuv runs the timers that expired during a stall before it
-            # reads the sockets: what the others sent meanwhile is unread.
+            # After a pause of the process, libuv runs the timers that
+            # expired before it reads the sockets: what the others sent
+            # meanwhile is unread. (After a stall inside a callback, it
+            # reads first; the core does not move what it heard since.)
             log.info("node %d: event loop stalled for about %d ms; timeouts moved on by as "
                      "much", self.config.node_id, late)
-            self.core.stalled(late)
+            self.core.stalled(late, now)
         self.core.tick(now)
         self._flush()
 

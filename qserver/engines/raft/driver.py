@@ -312,7 +312,9 @@ class _QueueSync(RaftAppends):
         self._journal: DurableJournal | None = None
         self._policy = engine.config.fsync
         self._last_sync = 0.0
-        self._last_tick = time.monotonic()  # (set first: the tick thread starts in __init__)
+        # the last tick's time; None until the first (set before the tick
+        # thread starts, in __init__; start-up is not a stall)
+        self._last_tick: float | None = None
 
         def make_journal(path):
             if path is None:
@@ -331,12 +333,13 @@ class _QueueSync(RaftAppends):
         # on state nobody knows any more (a journal whose fsync failed); it
         # is raised on the event loop instead, whose exception handler
         # stops the node (node.Node.fatal).
-        now = time.monotonic()
-        gap = now - self._last_tick - timeToWait  # beyond the poll's wait (RAFT_STALL_S)
-        self._last_tick = now
-        if gap >= RAFT_STALL_S:
-            self._stalled(gap)
         try:
+            now = time.monotonic()
+            if self._last_tick is not None:
+                gap = now - self._last_tick - timeToWait  # beyond the poll's wait
+                if gap >= RAFT_STALL_S:
+                    self._stalled(gap, now)
+            self._last_tick = now
             super()._onTick(timeToWait)
             if self.transfer_request is not None:
                 self._transfer_tick()
@@ -344,17 +347,20 @@ class _QueueSync(RaftAppends):
             self._engine._from_thread(_raised_in_pysyncobj_thread, exc)
             raise
 
-    def _stalled(self, gap: float) -> None:
-        """The process could not run for about `gap` s (RAFT_STALL_S): move
-        the election deadline and every peer's last answer (the leader's
-        fallback) on by as much, before the tick judges them. pysyncobj's
-        own attributes, on its thread."""
+    def _stalled(self, gap: float, now: float) -> None:
+        """The process could not run for about `gap` s before `now`
+        (RAFT_STALL_S): move the election deadline and every peer's last
+        answer (the leader's fallback) on by as much, never past what a
+        message read since the stall set, before the tick judges them.
+        pysyncobj's own attributes, on its thread."""
         log.info("node %d: stalled for about %.0f ms; timeouts moved on by as much",
                  self._engine.config.node_id, gap * 1000)
-        self._SyncObj__raftElectionDeadline += gap
+        state = self.__dict__  # (the attribute pysyncobj sets; mypy cannot type it)
+        state["_SyncObj__raftElectionDeadline"] = min(
+            state["_SyncObj__raftElectionDeadline"] + gap, now + _RAFT_TIMING["raftMaxTimeout"])
         answered = self._SyncObj__lastResponseTime
         for node in answered:
-            answered[node] += gap
+            answered[node] = min(answered[node] + gap, now)
 
     # Leader transfer, on pysyncobj's thread. The loop sets
     # `transfer_request` (one assignment) to the target's raft address; from
