@@ -5,10 +5,10 @@ engines/native/core.py; the raft engine's _QueueSync._onTick).
 
 On single cores stepped by hand (virtual time), then on real processes:
 every node of a cluster stopped at once with SIGSTOP for 1.5 s, as one
-host's stall does, and resumed. Before this, the master changed after 6 to
-7 of 10 such pauses (it found its slaves' acknowledgements too old on its
-first tick and stepped down); a master must now keep its role and its
-epoch.
+host's stall does, and resumed. Before this, the master changed after 7 to
+10 of 10 such pauses (bench/stall_bench.py; it found its slaves'
+acknowledgements too old on its first tick and stepped down); a master must
+now keep its role and its epoch.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_every_node_paused_at_once_keeps_its_master(tmp_path, engine):
         before = {i: _epoch(c, i) for i in c.nodes}
         assert before[master][0] == "master"
         pids = [n.proc.pid for n in c.nodes.values()]
-        for _ in range(2):  # the old code changed the master after 6-7 pauses of 10
+        for _ in range(2):  # the old code changed the master after 7-10 pauses of 10
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             time.sleep(STALL / 1000)
