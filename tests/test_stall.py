@@ -171,6 +171,16 @@ def test_a_master_back_from_a_long_stall_takes_writes_once_a_majority_answers():
     assert m.log.last_trans_id == 2
 
 
+def test_a_new_master_that_never_sent_a_read_round_confirms_too():
+    m = core(1)
+    m.vote_id = 1
+    m._become_master(NOW)  # no take_ready yet: no push has carried a round
+    m.stalled(STALL, NOW + STALL)
+    assert m.confirming_role
+    pushes = [msg for _, msg in m.take_ready(NOW + STALL).messages if type(msg) is Push]
+    assert {p.read_round for p in pushes} == {m.confirming}
+
+
 def test_a_master_back_from_a_short_stall_keeps_taking_writes():
     t0 = NOW + 2 * E
     m = master_answered_at(t0)

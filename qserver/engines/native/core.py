@@ -130,11 +130,13 @@ but never past now (a stall inside a callback is followed by a read of the
 sockets before the timer: what that read set is not moved again).
 Heartbeats are not delayed. A master whose stall was long enough for the
 slaves to elect another (an election timeout less two heartbeats) takes no
-write (`propose` answers "no leader", as during a transfer) until a
-majority has echoed a read round sent after it, which takes a round trip:
-in async mode a write it answered at once, if it had been replaced, would
-be lost. Only liveness depends on all this: ballots and majorities, not
-clocks, make the role changes safe.
+write (`propose` answers "no leader", as during a transfer) from `stalled`
+until a majority has echoed a read round sent after it, which takes a
+round trip: in async mode a write it answered at once, if it had been
+replaced, would be lost. (Writes read before the adapter learns of the
+stall, after a stall inside a callback, are taken as before.) Only
+liveness depends on all this: ballots and majorities, not clocks, make the
+role changes safe.
 
 Invariants (checked by the simulated-network tests after every delivery):
 at most one master per vote_id; a master holds every committed entry; two
@@ -803,13 +805,15 @@ class NativeCore:
 
     def stalled(self, ms: int, now_ms: int) -> None:
         """Input: this node could not run for the `ms` milliseconds before
-        `now_ms` (see "A stall" in the module docstring). The times that
-        judge the others' silence (when we last heard each, and a master
-        and its answers; the election timeout; a transfer's deadline) move
-        on by `ms`, never past now: what was read since the stall (the node
-        may read before it learns of it) is not moved again. A master that
-        may have been replaced meanwhile confirms its role first
-        (`confirming`). Call it before the next `tick`."""
+        `now_ms` (see "A stall" in the module docstring). When we last
+        heard each peer, the master, and the master's slaves' answers move
+        on by `ms`, never past now (what was read since the stall, as the
+        node may read before it learns of it, is not moved again); the
+        election timeout moves on by `ms` too unless the master was heard
+        since, to at most two election timeouts from now; a transfer's
+        deadline by `ms`. A master that may have been replaced meanwhile
+        confirms its role first (`confirming`). Call it before the next
+        `tick`."""
         if ms <= 0:
             return
         if self.master_heard_ms < now_ms - ms:  # (else the election timeout restarted since)
@@ -828,9 +832,8 @@ class NativeCore:
             # Long enough for the slaves to have elected another master:
             # no write until a majority answers a push sent from now on
             # (a read round; `_confirmed`), or a newer epoch deposes us.
-            if self.round_sent_any:
-                self.read_round += 1
-                self.round_sent_any = False
+            self.read_round += 1  # (a round of its own, sent after now)
+            self.round_sent_any = False
             self.confirming = self.read_round
 
     def tick(self, now_ms: int) -> None:

@@ -53,7 +53,9 @@ file keeps trans_id order; so does losing the master role, at once
 
 Leader transfer (`transfer_leader`, the core's TimeoutNow): the fast path
 is off from the request until the transfer ends (the core refuses every
-write meanwhile), and the core's timer covers the transfer's deadline.
+write meanwhile), and the core's timer covers the transfer's deadline. It
+is off too while a master back from a long stall confirms its role (the
+core's "A stall": `_on_timer` reports the stall, `confirming_role`).
 
 Forwarding (`engines.forwarding`): a slave relays a client request to the
 master over the internal link; if the master is unknown or unreachable the
@@ -200,7 +202,10 @@ class ClusterEngine:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); see _running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
-        self._timer_armed = 0  # when the timer was armed (now_ms)
+        # Since when the armed timer's callback is due (now_ms): its
+        # deadline, or the arming if that was later; kept when an overdue
+        # timer is re-armed, so that a stall is measured in full.
+        self._timer_due = 0
         self._flush_scheduled = False
         self._last_role: Role | None = None  # as last logged
         # Set by the node: how a request a slave forwarded is answered.
@@ -682,16 +687,20 @@ class ClusterEngine:
             if self._timer_at == deadline:
                 return
             self._timer.cancel()
-        self._timer_at = deadline
         now = now_ms()
-        self._timer_armed = now  # (a deadline already past when armed is not a stall)
+        if self._timer is None or self._timer_due >= now:
+            # (a deadline already past when armed, at start-up, is no stall)
+            self._timer_due = max(deadline, now)
+        # else: replacing an overdue timer that has not run (a flush after
+        # a stall, before the timer): it stays due since then
+        self._timer_at = deadline
         delay = max(0.0, (deadline - now) / 1000.0)
         self._timer = self._running.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         now = now_ms()
-        late = now - max(self._timer_at, self._timer_armed)
+        late = now - self._timer_due
         if late >= STALL_MS:
             # After a pause of the process, libuv runs the timers that
             # expired before it reads the sockets: what the others sent

@@ -76,6 +76,7 @@ import pysyncobj.syncobj as _pso
 from pysyncobj import FAIL_REASON, SyncObjConf, replicated
 from pysyncobj.dns_resolver import globalDnsResolver
 from pysyncobj.journal import FileJournal, MemoryJournal
+from pysyncobj.monotonic import monotonic as pysyncobj_clock
 from pysyncobj.node import TCPNode
 from pysyncobj.transport import TCPTransport
 
@@ -334,7 +335,7 @@ class _QueueSync(RaftAppends):
         # is raised on the event loop instead, whose exception handler
         # stops the node (node.Node.fatal).
         try:
-            now = time.monotonic()
+            now = pysyncobj_clock()  # pysyncobj's clock (not time.monotonic: CLOCK_MONOTONIC_RAW)
             if self._last_tick is not None:
                 gap = now - self._last_tick - timeToWait  # beyond the poll's wait
                 if gap >= RAFT_STALL_S:
