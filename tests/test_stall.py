@@ -13,6 +13,8 @@ now keep its role and its epoch.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import random
 import signal
@@ -20,12 +22,16 @@ import time
 
 import pytest
 
-from procs import Cluster, wait_until
+from procs import Cluster, cluster_config, free_port, wait_until
+from qserver.config import parse_xml
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Ping, Push, PushReply, VoteRequest
+from qserver.engines.native import driver
 from qserver.engines.native.core import NativeCore, Role, Timing
+from qserver.engines.native.driver import ClusterEngine
 from qserver.state.log import Log
 from qserver.state.store import Store
+from test_engine_sync import DEADLINE_S, until
 
 NOW = 1_700_000_000_000
 TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)  # the driver's
@@ -194,6 +200,50 @@ def test_a_stall_of_nothing_changes_nothing():
     s.stalled(0, NOW + 10)
     s.stalled(-5, NOW + 10)
     assert s.election_due_ms == due
+
+
+# -- the adapter: three ClusterEngines in one loop, on a clock the test moves ----------
+
+
+async def everyone_stalls(monkeypatch, caplog) -> None:
+    """driver.now_ms frozen once the cluster is up, then moved 1.5 s at once
+    for every node: to each adapter, as if its loop had not run for that
+    long. The timers (real time) fire late by that much on its clock."""
+    client_ports = [free_port() for _ in range(3)]
+    internal_ports = [free_port() for _ in range(3)]
+    engines = [ClusterEngine(config=parse_xml(cluster_config(i, client_ports, internal_ports)),
+                             store=Store(queue_size=1000), log_=Log()) for i in (1, 2, 3)]
+    try:
+        for engine in engines:
+            await engine.start()
+        await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
+        master = next(e for e in engines if e.is_master)
+        vote = master.core.vote_id
+        await until(lambda: all(p.acked_ms > 0 for p in master.core.peers.values()),
+                    "both slaves answered")
+        clock = [driver.now_ms()]
+        monkeypatch.setattr(driver, "now_ms", lambda: clock[0])
+        await asyncio.sleep(0.3)  # (real time: timers fire on the frozen clock)
+        rounds = master.core.read_round
+        clock[0] += STALL
+        # The master confirms its role in a round of its own, which a slave
+        # answers within a round trip (too short to watch from here).
+        await until(lambda: master.core.read_round > rounds and not master.core.confirming_role,
+                    "the master learns of its stall and a majority answers it")
+        await asyncio.sleep(0.3)  # (more timers, on the moved clock)
+        assert master.is_master and master.core.vote_id == vote
+        assert all(e.core.leader_id == master.core.node_id and e.core.vote_id == vote
+                   for e in engines)
+        stalls = [r.getMessage() for r in caplog.records if "event loop stalled" in r.getMessage()]
+        assert {m.split(":")[0] for m in stalls} == {"node 1", "node 2", "node 3"}
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+def test_the_adapter_reports_a_stall_and_the_master_keeps_its_role(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=driver.__name__)
+    asyncio.run(asyncio.wait_for(everyone_stalls(monkeypatch, caplog), 2 * DEADLINE_S))
 
 
 # -- real processes ---------------------------------------------------------------
