@@ -13,14 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from procs import cluster_config, free_port
-from qserver.config import parse_xml
 from qserver.engines.native import driver
 from qserver.engines.native.driver import ClusterEngine
-from qserver.state.log import Log
-from qserver.state.store import Store
 from qserver.wire.requests import ProduceRequest
-from test_engine_sync import until
+from test_engine_sync import three_engines, until
 
 DEADLINE_S = 60.0
 
@@ -37,11 +33,7 @@ def produce(engine: ClusterEngine, data: str) -> bool:
 
 
 async def writes_in_turns(monkeypatch) -> None:
-    client_ports = [free_port() for _ in range(3)]
-    internal_ports = [free_port() for _ in range(3)]
-    engines = [ClusterEngine(config=parse_xml(cluster_config(
-        i, client_ports, internal_ports, extra='  <replication mode="async"/>\n')),
-        store=Store(queue_size=10_000), log_=Log()) for i in (1, 2, 3)]
+    engines = three_engines('  <replication mode="async"/>\n')
     try:
         for engine in engines:
             await engine.start()

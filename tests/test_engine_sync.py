@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from procs import free_port
+from procs import cluster_config, free_port
 from qserver.config import parse_xml
 from qserver.engines.native import durability
 from qserver.engines.native.driver import ClusterEngine
@@ -60,6 +60,16 @@ class FakeKernelSync:
 
     def close(self) -> None:
         os.close(self.efd)
+
+
+def three_engines(extra: str = "") -> list[ClusterEngine]:
+    """A three-node cluster's adapters, in memory, for one event loop on
+    real loopback links (not started); `extra`: config text."""
+    client_ports = [free_port() for _ in range(3)]
+    internal_ports = [free_port() for _ in range(3)]
+    return [ClusterEngine(config=parse_xml(cluster_config(i, client_ports, internal_ports,
+                                                          extra=extra)),
+                          store=Store(queue_size=10_000), log_=Log()) for i in (1, 2, 3)]
 
 
 async def until(predicate, what: str) -> None:

@@ -22,16 +22,14 @@ import time
 
 import pytest
 
-from procs import Cluster, cluster_config, free_port, wait_until
-from qserver.config import parse_xml
+from procs import Cluster, wait_until
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Ping, Push, PushReply, VoteRequest
 from qserver.engines.native import driver
 from qserver.engines.native.core import NativeCore, Role, Timing
-from qserver.engines.native.driver import ClusterEngine
 from qserver.state.log import Log
 from qserver.state.store import Store
-from test_engine_sync import DEADLINE_S, until
+from test_engine_sync import DEADLINE_S, three_engines, until
 
 NOW = 1_700_000_000_000
 TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)  # the driver's
@@ -209,10 +207,7 @@ async def everyone_stalls(monkeypatch, caplog) -> None:
     """driver.now_ms frozen once the cluster is up, then moved 1.5 s at once
     for every node: to each adapter, as if its loop had not run for that
     long. The timers (real time) fire late by that much on its clock."""
-    client_ports = [free_port() for _ in range(3)]
-    internal_ports = [free_port() for _ in range(3)]
-    engines = [ClusterEngine(config=parse_xml(cluster_config(i, client_ports, internal_ports)),
-                             store=Store(queue_size=1000), log_=Log()) for i in (1, 2, 3)]
+    engines = three_engines()
     try:
         for engine in engines:
             await engine.start()

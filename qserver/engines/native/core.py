@@ -693,12 +693,7 @@ class NativeCore:
         reads = self.reads
         if not reads:
             return
-        if self.peers:
-            echoed = sorted([self.read_round] + [p.read_acked for p in self.peers.values()],
-                            reverse=True)
-            confirmed = echoed[self.quorum - 1]
-        else:
-            confirmed = self.read_round
+        confirmed = self._echoed_round()
         commit_id = self.commit_id
         answers = self.ready.answers
         while reads and reads[0][0] <= commit_id and reads[0][2] <= confirmed:
@@ -708,12 +703,19 @@ class NativeCore:
             else:  # cannot happen on a master (it never truncates); be safe
                 answers.append(partial(done, None, OUTCOME_UNKNOWN))
 
-    def _confirmed(self) -> None:
-        """After a long stall (`stalled`): writes again once a majority has
-        echoed the round we confirm (we count as echoing every round)."""
+    def _echoed_round(self) -> int:
+        """The newest read round a majority has echoed (we count as echoing
+        every round): what waiting reads and a role confirmation wait for."""
+        if not self.peers:
+            return self.read_round
         echoed = sorted([self.read_round] + [p.read_acked for p in self.peers.values()],
                         reverse=True)
-        if echoed[self.quorum - 1] >= self.confirming:
+        return echoed[self.quorum - 1]
+
+    def _confirmed(self) -> None:
+        """After a long stall (`stalled`): writes again once a majority has
+        echoed the round we confirm."""
+        if self._echoed_round() >= self.confirming:
             self.confirming = 0
 
     def transfer_leader(self, node_id: int, done: TransferDone, now_ms: int) -> None:
