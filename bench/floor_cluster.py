@@ -73,7 +73,7 @@ from qserver.wire.codec import (
 )
 
 ASYNC_PUSH_INTERVAL_S = 0.002  # engines.native.driver.ASYNC_PUSH_INTERVAL_MS
-SPARE_PUSH_INTERVAL_S = 0.002  # engines.native.core.SPARE_PUSH_MS
+SPARE_PUSH_INTERVAL_S = 0.010  # engines.native.core.SPARE_PUSH_MS
 _LEN = struct.Struct(">I")
 _pack = msgpack.Packer().pack
 # Internal message kinds: the first element of each frame's list.

@@ -158,6 +158,7 @@ def test_a_slave_whose_pull_was_answered_ahead_of_the_push_keeps_getting_pushes(
     sync_rate records a second, and fell behind without end.)"""
     m = master_of_three(async_mode=async_mode, push_interval_ms=5)
     t = NOW + 1000
+    held = max(6, SPARE_PUSH_MS + 1)  # past the push interval, and the spare slave's turn
 
     def write(data: str) -> int:
         if async_mode:
@@ -175,16 +176,16 @@ def test_a_slave_whose_pull_was_answered_ahead_of_the_push_keeps_getting_pushes(
     # answered at once; then a new record in the same turn
     m.step(Pull(vote_id=1, node_id=2, trans_id=a, log_vote_id=1), t + 1)
     c = write("c")
-    got = pushes(m.take_ready(t + 6))
+    got = pushes(m.take_ready(t + held))
     # to slave 2: b in the pull's answer, c in the push
     assert [r.trans_id for to, p in got if to == 2 for r in p.records] == [b, c]
     assert [r.trans_id for to, p in got if to == 3 for r in p.records] == [b, c]
     for i in range(3):  # and each later record, to both slaves
-        now = t + 10 * (i + 1)
+        now = t + 2 * held * (i + 1)
         for node_id in (2, 3):
             acked(m, node_id, now)
         d = write(f"d{i}")
-        got = pushes(m.take_ready(now + 6))
+        got = pushes(m.take_ready(now + held))
         assert sorted(to for to, p in got if p.records[-1].trans_id == d) == [2, 3]
 
 
