@@ -375,3 +375,34 @@ def test_a_snapshot_wanted_on_demand_holds_the_log_however_long_its_writer_takes
     assert not m.snapshot_wanted  # it covers the base: the slave's next pull gets it
     m.step(Pull(vote_id=1, node_id=3, trans_id=0, log_vote_id=0), NOW)
     assert m.take_ready(NOW).snapshot_sends == [(3, point, vote)]
+
+
+def test_a_slave_appends_a_push_after_its_last_record_as_one_run_and_applies_what_commits():
+    """The common push (every record after the slave's last) is appended
+    as one run (Log.extend) and what it commits is applied in order; a
+    push that overlaps what the slave holds takes the record-by-record
+    path, which skips the records it holds already."""
+    m = core(1, [1, 2, 3], async_mode=True)
+    m.vote_id = 1
+    m._become_master(NOW)  # as if elected; its Noop goes with the first push
+    s = core(2, [1, 2, 3], async_mode=True)
+    s.step([p for to, p in pushes(m.take_ready(NOW)) if to == 2][0], NOW)
+    for _ in range(3):
+        m.append_now(entry(m, "a"))
+    (push,) = [p for to, p in pushes(m.take_ready(NOW)) if to == 2]
+    assert push.prev_trans_id == 1 and len(push.records) == 3
+    s.step(push, NOW)
+    assert [r.trans_id for r in s.log.records] == [1, 2, 3, 4]
+    assert [r.trans_id for r in s.take_ready(NOW).records] == [1, 2, 3, 4]
+    assert s.applied_id == 0  # the master's commit was 0 when it pushed
+    m.step(PushReply(vote_id=1, node_id=3, match_id=4), NOW)  # the other slave: committed
+    m.append_now(entry(m, "b"))
+    (push,) = [p for to, p in pushes(m.take_ready(NOW)) if to == 2]
+    assert push.prev_trans_id == 4 and push.commit_id == 4
+    s.step(push, NOW)
+    assert s.log.last_trans_id == 5 and s.applied_id == s.commit_id == 4
+    assert sorted(s.store.queues["q"].messages) == [1, 2, 3]  # by msg_id
+    # The same push again (resent after a pull, say) overlaps: nothing is
+    # appended twice.
+    s.step(push, NOW)
+    assert [r.trans_id for r in s.log.records] == [1, 2, 3, 4, 5]

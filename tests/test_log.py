@@ -94,6 +94,33 @@ def test_append_accepts_only_the_next_trans_id():
     assert log.append_entry(entry(5), 2).trans_id == 5
 
 
+def test_extend_appends_a_run_that_follows_on():
+    log = filled(3)
+    run = [Record(trans_id=t, vote_id=2, entry=entry(t)) for t in (4, 5, 6)]
+    log.extend(run)
+    assert trans_ids(log.records) == [1, 2, 3, 4, 5, 6]
+    assert log.get(5) is run[1]
+    assert log.last_position() == (2, 6)
+    log.extend([])  # nothing to append
+    assert log.last_trans_id == 6
+
+
+@pytest.mark.parametrize("ids", [(6, 7), (8, 9), (7, 9), (7, 8, 8), (5,)])
+def test_extend_refuses_a_run_that_does_not_start_next_or_end_where_it_should(ids):
+    log = filled(6)
+    before = list(log.records)
+    with pytest.raises(InvariantError):
+        log.extend([Record(trans_id=t, vote_id=1, entry=Noop()) for t in ids])
+    assert log.records == before
+
+
+def test_extend_after_compaction_numbers_from_the_base():
+    log = filled(4)
+    assert log.compact(0, 4) == 4
+    log.extend([Record(trans_id=5, vote_id=1, entry=Noop())])
+    assert log.get(5) is not None and log.first_trans_id == 5
+
+
 def test_get_out_of_range_is_none():
     log = filled(5)
     assert [log.get(t) is not None for t in range(-1, 8)] == [
@@ -215,6 +242,7 @@ def test_compact_everything():
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("append"), st.integers(1, 5)),
+    st.tuples(st.just("extend"), st.integers(1, 5), st.integers(0, 4)),
     st.tuples(st.just("truncate"), st.integers(0, 40)),
     st.tuples(st.just("compact"), st.integers(0, 10), st.integers(0, 40)),
 ), max_size=60)
@@ -231,6 +259,11 @@ def test_log_matches_a_plain_list(operations):
             rec = log.append_entry(entry(len(model)), op[1])
             assert rec.trans_id == model[-1][0] + 1
             model.append((rec.trans_id, op[1]))
+        elif op[0] == "extend":
+            first = model[-1][0] + 1
+            log.extend([Record(trans_id=first + i, vote_id=op[1], entry=Noop())
+                        for i in range(op[2])])
+            model += [(first + i, op[1]) for i in range(op[2])]
         elif op[0] == "truncate":
             t = op[1]
             if t < model[base][0]:

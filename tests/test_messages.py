@@ -97,6 +97,18 @@ def test_push_and_reply_of_the_release_before_read_rounds_are_accepted():
     assert message_from_wire(reply).read_round == 0
 
 
+@pytest.mark.parametrize("trans_ids", [(11, 12), (10, 12), (10, 11, 13), (10, 10), (10, 9)])
+def test_a_push_whose_records_do_not_follow_on_is_refused(trans_ids):
+    """Every record of a push must follow the one before it, the first
+    prev_trans_id (9): the slave appends a push after its last record as
+    one run, checking only its ends (Log.extend)."""
+    produce = [1, [["q", 1]], "d", 0, 0, 0]
+    wire = [5, 3, 1, 2, 9, [[t, 3, produce] for t in trans_ids], 8, 12, 0]
+    with pytest.raises(ValueError, match="not consecutive"):
+        message_from_wire(wire)
+    assert isinstance(message_from_peer(1, wire), str)
+
+
 @pytest.mark.parametrize("bad, problem", [
     ({"action": 1, "data": b"raw bytes"}, "holds a bytes"),
     ({1: "int key"}, "key that is not a string"),

@@ -401,11 +401,17 @@ def message_from_wire(obj: object) -> Message:
     if tag == 5 and (n == 8 or n == 9):  # 8: a node of the release before read rounds
         if not isinstance(obj[5], (list, tuple)):
             raise ValueError("push records must be a list")
-        records = tuple(record_from_wire(r) for r in obj[5])
         prev = _n(obj[4], "prev_trans_id")
-        for i, r in enumerate(records):
-            if r.trans_id != prev + 1 + i:
+        decoded: list[Record] = []
+        append = decoded.append
+        expect = prev + 1
+        for r in obj[5]:  # decoded and checked in one pass: this runs per record
+            record = record_from_wire(r)
+            if record[0] != expect:  # (its trans_id)
                 raise ValueError("push records are not consecutive")
+            append(record)
+            expect += 1
+        records = tuple(decoded)
         return Push(vote_id=vote_id, node_id=node_id, prev_vote_id=_n(obj[3], "prev_vote_id"),
                     prev_trans_id=prev, records=records, commit_id=_n(obj[6], "commit_id"),
                     last_trans_id=_n(obj[7], "last_trans_id"),

@@ -22,6 +22,8 @@ This module does no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..errors import InvariantError
 from .entries import Entry, Record
 
@@ -91,6 +93,18 @@ class Log:
         if record.trans_id != self.base_trans_id + len(records) + 1:  # (runs on every write)
             raise InvariantError(f"append of trans_id {record.trans_id} after {self.last_trans_id}")
         records.append(record)
+
+    def extend(self, records: Sequence[Record]) -> None:
+        """Append consecutive records received from elsewhere (a push), the
+        first of them the next. O(len(records)); only the two ends are
+        checked: the caller holds them consecutive (a push's decoder
+        checks every one)."""
+        if records:
+            first = self.base_trans_id + len(self.records) + 1
+            if records[0].trans_id != first or records[-1].trans_id != first + len(records) - 1:
+                raise InvariantError(f"extend with trans_ids {records[0].trans_id}.."
+                                     f"{records[-1].trans_id} after {first - 1}")
+            self.records.extend(records)
 
     def get(self, trans_id: int) -> Record | None:
         """The record at trans_id, or None if compacted or not yet there. O(1)."""

@@ -1261,12 +1261,17 @@ class NativeCore:
         undo = self.undo
         while undo and undo[0][0] <= commit_id:
             undo.popleft()
-        while self.applied_id < commit_id:
-            record = self.log.get(self.applied_id + 1)
-            if record is None:
-                raise InvariantError(f"entry {self.applied_id + 1} to apply is not in the log")
-            self.store.apply(record.entry)
-            self.applied_id = record.trans_id
+        if self.applied_id < commit_id:
+            # Applied as one run of the log (a push commits many at once).
+            log = self.log
+            count = commit_id - self.applied_id
+            if self.applied_id < log.base_trans_id or commit_id > log.last_trans_id:
+                raise InvariantError(f"entries {self.applied_id + 1}..{commit_id} to apply "
+                                     f"are not in the log")
+            apply = self.store.apply
+            for record in log.slice(self.applied_id + 1, count):
+                apply(record.entry)
+                self.applied_id = record.trans_id
         if self.waiting:
             for trans_id in sorted(t for t in self.waiting if t <= commit_id):
                 vote, done, result = self.waiting.pop(trans_id)
@@ -1374,14 +1379,20 @@ class NativeCore:
             near = self._back_to_vote(min(prev, log.last_trans_id), msg.prev_vote_id)
             self._maybe_pull(now_ms, near=near)
             return
-        for record in records:
-            mine = log.get(record.trans_id)
-            if mine is not None:
-                if mine.vote_id == record.vote_id:
-                    continue
-                self._truncate_after(record.trans_id - 1)
-            log.append(record)
-            self.ready.records.append(record)
+        if prev == log.last_trans_id:
+            # The common push: every record after our last (a push's records
+            # are consecutive), appended as one run.
+            log.extend(records)
+            self.ready.records.extend(records)
+        else:
+            for record in records:
+                mine = log.get(record.trans_id)
+                if mine is not None:
+                    if mine.vote_id == record.vote_id:
+                        continue
+                    self._truncate_after(record.trans_id - 1)
+                log.append(record)
+                self.ready.records.append(record)
         match = prev + len(records)
         self._send(peer.node_id, PushReply(vote_id=self.vote_id, node_id=self.node_id,
                                            match_id=match, read_round=msg.read_round))
