@@ -18,9 +18,14 @@ Rules
 - Entries are immutable values; nothing mutates one after `decide()`.
   They are NamedTuples rather than the house style's frozen dataclasses, on
   purpose: a produce creates an entry and a record on the hot path, and
-  tuples of plain values are both cheaper to build and untracked by the
-  cyclic garbage collector, whose full passes over 100,000 retained log
-  records otherwise cost more than the rest of a produce (bench/).
+  tuples are cheaper to build. They are not, however, untracked by the
+  cyclic garbage collector as plain tuples of atoms are (CPython untracks
+  exact tuples only): a retained log record and its entry are two objects
+  that every full collection scans, most of its pause on a node with a
+  long log (bench/gc_bench.py). Built with `tuple.__new__` on the hot
+  paths (no NamedTuple `__new__` in Python), they still cost about 2,600
+  more instructions per record than plain tuples would (construction and
+  tracking, measured under callgrind).
 - The wire/disk form is a plain list (msgpack friendly), tagged by `Kind`.
   `entry_from_wire` validates a list that came from a peer or a disk and
   raises `ValueError` on anything malformed; it never returns a half entry.
