@@ -150,6 +150,7 @@ class ScanResult(NamedTuple):
 # loop's thread is the only one that encodes records.
 _pack = msgpack.Packer().pack
 _PRODUCE = int(Kind.PRODUCE)
+_PRODUCE_HEAD = (_PRODUCE,)  # joined to a Produce: its wire list, as a tuple
 
 
 def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
@@ -163,7 +164,7 @@ def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
         # fields in order, unpacked: targets, data, ready_ms, ttl_ms,
         # retry_ms): msgpack writes the tuples of `targets` as the arrays
         # that record_to_wire's lists are (the same bytes; a test holds it).
-        payload: bytes = _pack([trans_id, vote_id, [_PRODUCE, *entry]])
+        payload: bytes = _pack((trans_id, vote_id, _PRODUCE_HEAD + entry))
     else:
         payload = _pack(record_to_wire(Record(trans_id, vote_id, entry)))
     if len(payload) > MAX_RECORD_BYTES:
