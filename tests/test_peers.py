@@ -688,3 +688,23 @@ def test_frames_split_anywhere_are_delivered_whole_and_in_order(chunking):
         assert node.link_events == [(2, True), (2, False)]
 
     run(body)
+
+
+def test_encode_gives_msgpacks_bytes_after_a_failure_and_after_a_large_message(caplog):
+    """encode keeps one Packer: what it returns is always exactly
+    msgpack.packb's bytes, also right after a message that could not be
+    encoded (the Packer's buffer is cleared, not prepended to the next) and
+    after one larger than PACKER_KEEP_BYTES (whose Packer is replaced)."""
+    net = PeerNetwork(node_id=1, listen=("127.0.0.1", 0), peers={2: ("127.0.0.1", 1)},
+                      secret="s", on_message=lambda peer_id, obj: None)
+    small = [6, 3, 2, 123456, 0]
+    assert net.encode(small) == msgpack.packb(small)
+    with caplog.at_level(logging.ERROR, logger=peers_mod.__name__):
+        assert net.encode([5, 1, {"x": object()}]) is None
+    assert "cannot encode" in caplog.text
+    assert net.encode(small) == msgpack.packb(small)
+    packer = net._pack
+    large = [5, "x" * (peers_mod.PACKER_KEEP_BYTES + 1)]
+    assert net.encode(large) == msgpack.packb(large)
+    assert net._pack is not packer  # the grown buffer went with it
+    assert net.encode(small) == msgpack.packb(small)
