@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..state.entries import Kind, Produce, Record, record_from_wire, record_to_wire
+from ..state.entries import (
+    PRODUCE_WIRE_HEAD,
+    Produce,
+    Record,
+    record_from_wire,
+    record_to_wire,
+)
 from ..wire.codec import MAX_DEPTH
 
 if TYPE_CHECKING:
@@ -269,11 +275,6 @@ Message = (Hello | Ping | VoteRequest | VoteReply | Push | PushReply | Pull | Sn
            | Features | ForwardBatch | ForwardReplies)
 
 
-_PRODUCE = int(Kind.PRODUCE)
-# A produce entry's wire list is its kind, then its fields: as a tuple, the
-# kind's 1-tuple joined to the entry (one C-level concatenation; msgpack
-# writes a tuple as the array a list would be).
-_PRODUCE_HEAD = (_PRODUCE,)
 
 
 def message_to_wire(msg: Message) -> list[Any]:
@@ -285,7 +286,7 @@ def message_to_wire(msg: Message) -> list[Any]:
         # built as tuples with the entry's fields in place: msgpack writes
         # tuples as the arrays record_to_wire makes, so the bytes are the
         # same (a test holds it), for half the CPU.
-        head = _PRODUCE_HEAD
+        head = PRODUCE_WIRE_HEAD
         return [5, msg.vote_id, msg.node_id, msg.prev_vote_id, msg.prev_trans_id,
                 [(r[0], r[1], head + r[2]) if type(r[2]) is Produce else record_to_wire(r)
                  for r in msg.records],

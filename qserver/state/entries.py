@@ -67,6 +67,7 @@ __all__ = [
     "entry_from_wire",
     "record_to_wire",
     "record_from_wire",
+    "PRODUCE_WIRE_HEAD",
     "entry_weight",
 ]
 
@@ -469,6 +470,11 @@ def record_to_wire(record: Record) -> list[Any]:
 
 _new = tuple.__new__
 _PRODUCE = int(Kind.PRODUCE)
+# A produce entry's wire list is its kind, then its fields: the hot encoders
+# (a push, a payload on disk) build it as this 1-tuple joined to the entry,
+# one C-level concatenation; msgpack writes a tuple as the array a list
+# would be, so the bytes are record_to_wire's (tests hold it).
+PRODUCE_WIRE_HEAD = (_PRODUCE,)
 
 
 def record_from_wire(obj: object) -> Record:

@@ -73,10 +73,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgpack
 
 from ..state.entries import (
+    PRODUCE_WIRE_HEAD,
     Confirm,
     Consume,
     Entry,
-    Kind,
     Noop,
     Produce,
     Record,
@@ -149,8 +149,6 @@ class ScanResult(NamedTuple):
 # One Packer for every record (msgpack.packb builds one per call); the event
 # loop's thread is the only one that encodes records.
 _pack = msgpack.Packer().pack
-_PRODUCE = int(Kind.PRODUCE)
-_PRODUCE_HEAD = (_PRODUCE,)  # joined to a Produce: its wire list, as a tuple
 
 
 def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
@@ -164,7 +162,7 @@ def encode_payload(trans_id: int, vote_id: int, entry: Entry) -> bytes:
         # fields in order, unpacked: targets, data, ready_ms, ttl_ms,
         # retry_ms): msgpack writes the tuples of `targets` as the arrays
         # that record_to_wire's lists are (the same bytes; a test holds it).
-        payload: bytes = _pack((trans_id, vote_id, _PRODUCE_HEAD + entry))
+        payload: bytes = _pack((trans_id, vote_id, PRODUCE_WIRE_HEAD + entry))
     else:
         payload = _pack(record_to_wire(Record(trans_id, vote_id, entry)))
     if len(payload) > MAX_RECORD_BYTES:
