@@ -132,6 +132,7 @@ class Node:
         self.engine.answer_forwarded_now = self.service.answer_now
         self.engine.on_fatal = self._engine_failed
         self.engine.on_role_change = self.service.role_changed
+        self.engine.on_answered = self._flush_connections
         self.service.schedule = self._schedule_tick
         # The service's timer (long polls, leases): one, at its earliest deadline.
         self._tick_timer: asyncio.TimerHandle | None = None

@@ -649,6 +649,26 @@ def test_a_waiting_request_in_a_batch_can_be_cancelled():
     run(main())
 
 
+def test_flush_now_sends_the_turns_answers_at_once_and_leaves_nothing_for_the_turn_end():
+    async def main():
+        fwd, net = make(up=(2,), node_id=1)
+        pending: list = []
+        fwd.serve_batch(2, ForwardBatch(vote_id=7, node_id=2, first_id=10, requests=(
+            {"action": 1, "n": 0},)), lambda request, now_ms, respond, session: pending.append(
+                respond))
+        fwd.flush_now()  # nothing answered yet: nothing to send
+        assert net.sent == []
+        pending[0]({"code": 0, "n": 0})  # a commit's answer, at the end of a turn
+        fwd.flush_now()
+        (peer, wire), = net.sent
+        assert peer == 2 and net.flushed == [2]
+        assert decode(1, wire).replies == ((10, {"code": 0, "n": 0}),)
+        await next_turn()  # the end-of-turn callback it replaced sends nothing more
+        assert len(net.sent) == 1 and net.flushed == [2]
+
+    run(main())
+
+
 @pytest.mark.parametrize("peers", [False, True])
 def test_the_node_gives_the_engine_the_services_fast_path_for_forwarded_requests(peers):
     config = Config.default()
@@ -658,3 +678,5 @@ def test_the_node_gives_the_engine_the_services_fast_path_for_forwarded_requests
     node = Node(config)
     assert node.engine.answer_forwarded_now == node.service.answer_now
     assert node.engine.handle_forwarded is not None
+    # and, once an engine ran a commit's answers, writes their connections at once
+    assert node.engine.on_answered == node._flush_connections

@@ -161,6 +161,12 @@ class Engine(Protocol):
     answer_forwarded_now: AnswerNow | None  # tried first (a request that may wait: never)
     on_fatal: FatalHandler | None
     on_role_change: RoleHandler | None
+    # Set by the node: called by an engine that has just run a batch of
+    # answers at the end of a loop turn (a commit's), so that the answered
+    # connections are written at once instead of in one more loop turn.
+    # An engine may never call it: the node then writes them at the end of
+    # the turn (Node.flush_at_turn_end).
+    on_answered: Callable[[], None] | None
 
     # While master: a positive number that no other master ever uses (the
     # native engine's vote_id; the raft engine's epoch): receipts carry it.

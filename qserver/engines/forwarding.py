@@ -193,6 +193,15 @@ class Forwarder:
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
+    def flush_now(self) -> None:
+        """Send the turn's batches and answers now, not in the callback
+        `_flush_at_turn_end` scheduled: for a caller that itself runs at the
+        end of the turn (the engine, once it ran a commit's answers)."""
+        handle = self._flush_handle
+        if handle is not None:
+            handle.cancel()
+            self._flush()
+
     def _flush(self) -> None:
         """The end of the loop turn: send its batches and its answers."""
         self._flush_handle = None

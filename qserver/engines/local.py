@@ -10,6 +10,7 @@ This module does no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..state.entries import Entry
@@ -54,6 +55,8 @@ class LocalEngine:
         self.answer_forwarded_now: AnswerNow | None = None
         self.on_fatal: FatalHandler | None = None
         self.on_role_change: RoleHandler | None = None  # never called: the role never changes
+        # Never called: every answer is given in the request's own call.
+        self.on_answered: Callable[[], None] | None = None
         # Receipts' epoch. The node passes its start time in ms: a node
         # without storage starts empty and reuses msg_ids, and a receipt
         # from before a restart must not match a new delivery.

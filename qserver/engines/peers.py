@@ -824,6 +824,13 @@ class PeerNetwork:
             link.flush_handle.cancel()
             link._flush()
 
+    def flush_all(self) -> None:
+        """As `flush`, for every peer with something queued."""
+        for link in self._current.values():
+            if link.flush_handle is not None:
+                link.flush_handle.cancel()
+                link._flush()
+
     def connected(self, peer_id: int) -> bool:
         """Whether an authenticated link to `peer_id` is up."""
         return peer_id in self._current

@@ -69,6 +69,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from ...config import Config, Fsync, Mode
 from ...errors import InvariantError
@@ -216,6 +217,9 @@ class ClusterEngine:
         self.on_fatal: FatalHandler | None = None
         # Set by the node: told when this node becomes or stops being master.
         self.on_role_change: RoleHandler | None = None
+        # Set by the node: called after `_flush` ran a batch of answers
+        # (Engine.on_answered).
+        self.on_answered: Callable[[], None] | None = None
         self._was_master = False  # as last told to on_role_change
         # When the log is fsynced: exists iff storage does (None without).
         self.durability: Durability | None = None
@@ -454,6 +458,8 @@ class ClusterEngine:
             return
         if type(msg) is ForwardReplies:
             self._forwarding().on_replies(msg)
+            if self.on_answered is not None:  # the relayed answers: written now
+                self.on_answered()
             return
         if type(msg) is Forward:
             self._forwarding().serve(peer_id, msg, self.handle_forwarded,
@@ -533,11 +539,21 @@ class ClusterEngine:
         elif ready.snapshot is not None:
             self.snapshots.keep_installed(ready.snapshot[0], ready.snapshot[2])
         self.snapshots.discard_unwanted()
+        # This runs at the end of a loop turn (call_soon): what it sends and
+        # answers goes out now, not one more turn later (a turn that would
+        # first handle whatever else the loop polled), which is a slave's
+        # and a client's wait at every step of a quorum write.
         net = self.net
         if net is not None and ready.messages:
             self._send_all(net, ready.messages)
-        for answer in ready.answers:
-            answer()
+            net.flush_all()
+        if ready.answers:
+            for answer in ready.answers:
+                answer()
+            if self.forwarder is not None:  # relayed requests' answers
+                self.forwarder.flush_now()
+            if self.on_answered is not None:  # the node's clients
+                self.on_answered()
         if self._fast_ok:
             self._update_fast_path()
         if self.core.is_master is not self._was_master:

@@ -476,6 +476,10 @@ class RaftEngine:
         self.on_fatal: FatalHandler | None = None
         # Set by the node: told when this node becomes or stops being master.
         self.on_role_change: RoleHandler | None = None
+        # Never called: each commit is its own callback here, and the node's
+        # end-of-turn flush writes all of a turn's answers to a connection
+        # at once.
+        self.on_answered: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tmp_dir: str | None = None
         self._raft_state = _FOLLOWER  # pysyncobj's state, as last reported to the loop

@@ -1,0 +1,88 @@
+"""A quorum write's steps leave in the loop turn that made them: the native
+engine's adapter (ClusterEngine._flush, which runs at the end of a turn)
+hands its pushes and acknowledgements to the links' transports before it
+returns, and tells the node (on_answered) once it ran a commit's answers,
+so that the answered connections are written in that same callback.
+Before, each of those waited for one more turn of the loop, which first
+handled whatever else it had polled: at every step of a quorum write (the
+master's push, the slave's acknowledgement, the master's answer).
+
+Three adapters in one event loop on real loopback links, in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from qserver.engines.native.driver import ClusterEngine
+from qserver.wire.requests import ProduceRequest
+from test_engine_sync import three_engines, until
+
+
+def _queued(engine: ClusterEngine) -> int:
+    """Frames queued on the engine's links that no transport has yet."""
+    assert engine.net is not None
+    return sum(len(link.pending) + (link.flush_handle is not None)
+               for link in engine.net._current.values())
+
+
+def _watch(engine: ClusterEngine, flushes: list[tuple[int, int, list[str]]],
+           events: list[str]) -> None:
+    """Record, for each of the engine's flushes: its node id, the frames
+    still queued when it returned, and the events it caused."""
+    flush = engine._flush
+
+    def watched() -> None:
+        before = len(events)
+        flush()
+        flushes.append((engine.config.node_id, _queued(engine), events[before:]))
+    engine._flush = watched  # type: ignore[method-assign]
+
+
+def test_pushes_acknowledgements_and_answers_leave_in_the_flush_that_made_them():
+    async def main() -> None:
+        engines = three_engines('  <replication mode="quorum"/>\n')
+        try:
+            for engine in engines:
+                await engine.start()
+            await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
+            master = next(e for e in engines if e.is_master)
+            assert master.net is not None
+            await until(lambda: len(master.net.connected_ids()) == 2, "both slaves linked")
+            events: list[str] = []
+            flushes: list[tuple[int, int, list[str]]] = []
+            sent: list[int] = []
+            for engine in engines:
+                _watch(engine, flushes, events)
+                assert engine.net is not None
+                send_encoded = engine.net.send_encoded
+
+                def counted(peer_id: int, body: bytes, node_id=engine.config.node_id,
+                            send_encoded=send_encoded) -> bool:
+                    sent.append(node_id)
+                    return send_encoded(peer_id, body)
+                engine.net.send_encoded = counted  # type: ignore[method-assign]
+            master.on_answered = lambda: events.append("connections written")
+
+            for i in range(3):
+                entry = master.core.store.decide_produce(
+                    ProduceRequest(queue="q", data=f"d{i}", delay_s=None, ttl_s=None, retry_s=0),
+                    int(time.time() * 1000))
+                master.propose(entry, lambda result, error: events.append(f"answered {error}"))
+                await until(lambda: events.count("connections written") == i + 1,
+                            f"write {i} committed and answered")
+        finally:
+            for engine in engines:
+                await engine.close()
+        # every write: its answer, then the node told, in one flush
+        assert [e for _, _, caused in flushes for e in caused] == [
+            "answered None", "connections written"] * 3
+        assert all(caused in ([], ["answered None", "connections written"])
+                   for _, _, caused in flushes)
+        # the master pushed and a slave acknowledged, each from a flush that
+        # left nothing queued for a later turn
+        master_id = master.config.node_id
+        assert master_id in sent and any(node_id != master_id for node_id in sent)
+        assert [queued for _, queued, _ in flushes if queued] == []
+
+    asyncio.run(main())
