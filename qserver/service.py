@@ -84,7 +84,7 @@ from .engines.base import (
     TransferDone,
 )
 from .errors import BadRequest
-from .state.entries import Configure, Confirm, Consume, ConsumeMany, DeadLetter
+from .state.entries import Configure, Confirm, Consume, ConsumeMany, DeadLetter, Produce
 from .state.store import (
     DEFAULT_PRIORITY,
     DELIVERIES,
@@ -302,6 +302,26 @@ class Service:
     # changed nothing (an unusual shape: the general path words the reason).
 
     def _produce_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
+        produced = self._decide_produce_now(obj, queue, now_ms)
+        if produced is None:
+            return None
+        if isinstance(produced, str):
+            return error_response(produced, obj)
+        targets = self.engine.commit_now(produced)
+        obj["code"] = 0
+        obj["msg_id"] = targets[0][1]
+        if queue in self.store.virtual_queues:
+            obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
+        if self.waiting:
+            self._written([name for name, _ in targets], now_ms)
+        return obj
+
+    def _decide_produce_now(self, obj: JsonObject, queue: str,
+                            now_ms: int) -> Produce | str | None:
+        """A produce of the usual shape, checked as parse_request would:
+        its entry, or the reason the store refuses it, having removed the
+        produce's inputs from `obj` (the answer drops them); None, having
+        changed nothing, for any other shape."""
         get = obj.get
         data = get("data")
         delay = get("delay")
@@ -328,18 +348,37 @@ class Service:
             pop("retry", None)
             if retry is None:
                 retry = 0
-        store = self.store
-        produced = store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
+        return self.store.decide_produce_values(queue, data, delay, ttl, retry, now_ms)
+
+    def propose_now(self, obj: object, now_ms: int, respond: Respond) -> bool:
+        """The fast path's produce on a master whose engine does not commit
+        at once (quorum mode): a produce of the usual shape checked and
+        decided as `answer_now` does, and proposed; `respond` gets its
+        answer once it commits, exactly what the general path would give.
+        False, having changed nothing, for every other request (or when
+        this node is not such a master), which then takes the general path.
+
+        It saves what answer_now saves but the callback: parse_request, the
+        dispatch and the request tuple."""
+        engine = self.engine
+        if (type(obj) is not dict or engine.commits_at_once or not engine.is_master
+                or self.draining):
+            return False
+        action = obj.get("action")
+        if type(action) is not int or action != 1:
+            return False
+        queue = obj.get("queue")
+        if type(queue) is not str or not 0 < len(queue) <= MAX_QUEUE_NAME:
+            return False
+        produced = self._decide_produce_now(obj, queue, now_ms)
+        if produced is None:
+            return False
         if isinstance(produced, str):
-            return error_response(produced, obj)
-        targets = self.engine.commit_now(produced)
-        obj["code"] = 0
-        obj["msg_id"] = targets[0][1]
-        if queue in store.virtual_queues:
-            obj["msg_ids"] = {name: msg_id for name, msg_id in targets}
-        if self.waiting:
-            self._written([name for name, _ in targets], now_ms)
-        return obj
+            self._refuse(obj, produced, respond)
+        else:
+            self._propose_produce(obj, produced, queue in self.store.virtual_queues, now_ms,
+                                  respond)
+        return True
 
     def _consume_now(self, obj: JsonObject, queue: str, now_ms: int) -> JsonObject | None:
         if len(obj) > 2 and (obj.get("count") is not None or obj.get("wait") is not None
@@ -404,6 +443,8 @@ class Service:
         alone (it returned None)."""
         if not forwarded and type(obj) is dict and not self.engine.is_master and \
                 self._relay_now(obj, respond):
+            return
+        if self.propose_now(obj, now_ms, respond):
             return
         try:
             req = parse_request(obj)
@@ -622,7 +663,12 @@ class Service:
         if isinstance(outcome, str):
             self._refuse(obj, outcome, respond)
             return
-        virtual = req.queue in self.store.virtual_queues
+        self._propose_produce(obj, outcome, req.queue in self.store.virtual_queues, now_ms,
+                              respond)
+
+    def _propose_produce(self, obj: JsonObject, entry: Produce, virtual: bool, now_ms: int,
+                         respond: Respond) -> None:
+        """Replicate a decided produce; answer `obj` once it commits."""
 
         def done(targets: list[tuple[str, int]], error: str | None) -> None:
             if error is not None:
@@ -635,11 +681,11 @@ class Service:
             respond(obj)
 
         if self.engine.commits_at_once:  # answered at once: no callback on the hot path
-            done(self.engine.commit_now(outcome), None)
+            done(self.engine.commit_now(entry), None)
         else:
-            self.engine.propose(outcome, done)
+            self.engine.propose(entry, done)
         if self.waiting:
-            self._written([name for name, _ in outcome.targets], now_ms)
+            self._written([name for name, _ in entry.targets], now_ms)
 
     def _produce_batch(self, obj: JsonObject, req: ProduceBatchRequest, now_ms: int,
                        respond: Respond) -> None:

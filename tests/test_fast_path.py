@@ -1,6 +1,8 @@
 """The single-node fast path (Service.answer_now) must answer exactly as the
 general path (Service.handle_general) does, and leave the same store and
-log: two services fed the same requests, one through each path."""
+log: two services fed the same requests, one through each path. The same
+holds for a replicating master's produce path (Service.propose_now), whose
+answers come once the write commits."""
 
 import copy
 
@@ -82,3 +84,86 @@ def test_a_confirm_with_a_receipt_takes_the_fast_path():
     assert len(s.store.get("a")) == 0
     # a receipt that is not one of ours: the general path words it
     assert s.answer_now({"action": 3, "queue": "a", "msg_id": 1, "receipt": 5}, NOW) is None
+
+
+class _Replicating(LocalEngine):
+    """A master whose writes commit when the test says (a quorum master:
+    the entry is applied at once, answered later), around a LocalEngine."""
+
+    commits_at_once = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.later: list = []
+
+    def propose(self, entry, done) -> None:
+        result = self.commit_now(entry)
+        self.later.append(lambda: done(result, None))
+
+    def read_index(self, done) -> None:
+        self.later.append(lambda: done(None, None))
+
+    def commit(self) -> None:
+        later, self.later = self.later, []
+        for release in later:
+            release()
+
+
+def _replicating_service() -> Service:
+    # queues of two messages: full often, a refusal that waits for the read index
+    config = Config(queue_size=2, virtual_queues={"v": ("a", "b")})
+    store = Store(queue_size=config.queue_size, virtual_queues=config.virtual_queues)
+    engine = _Replicating(store=store, log=Log(), me=LeaderInfo(node_id=1, host="h", port=1),
+                          log_size=1000)
+    return Service(config=config, store=store, engine=engine)
+
+
+# The produce nearly every client sends, valid: queues fill up (a refusal
+# that waits for the read index) and messages come due.
+_usual_produce = st.fixed_dictionaries(
+    {"action": st.just(1), "queue": st.sampled_from(["a", "b", "v"]),
+     "data": st.text(max_size=5), "delay": st.integers(0, 3), "ttl": st.integers(0, 30),
+     "retry": st.integers(0, 10)}, optional={"seq": st.integers()})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(_usual_produce, _request), st.integers(0, 5000),
+                          st.booleans()), max_size=40))
+def test_propose_path_matches_general_path(steps):
+    fast, general = _replicating_service(), _replicating_service()
+    general.propose_now = lambda obj, now_ms, respond: False  # type: ignore[method-assign]
+    now = NOW
+    got_fast: list = []
+    got_general: list = []
+    for request, advance, commit in steps:
+        now += advance
+        fast.handle(copy.deepcopy(request), now, got_fast.append)
+        general.handle(copy.deepcopy(request), now, got_general.append)
+        if commit:  # or with later requests: answers of several turns wait together
+            fast.engine.commit()
+            general.engine.commit()
+        assert got_fast == got_general, request
+        assert [list(r.items()) for r in got_fast] == [list(r.items()) for r in got_general]
+    assert fast.store.to_wire() == general.store.to_wire()
+    assert list(fast.engine.log.records) == list(general.engine.log.records)
+    fast.store._check()
+
+
+def test_propose_path_is_taken_for_the_usual_produce_and_answers_once_committed():
+    """Guards the test above against comparing the general path with itself."""
+    s = _replicating_service()
+    out: list = []
+    request = {"action": 1, "queue": "a", "data": "x", "delay": 0, "ttl": 60, "retry": 0,
+               "seq": 4}
+    assert s.propose_now(request, NOW, out.append)
+    assert out == [] and s.engine.log.last_trans_id == 1  # applied, not yet answered
+    s.engine.commit()
+    assert out == [{"action": 1, "queue": "a", "seq": 4, "code": 0, "msg_id": 1}]
+    # other actions and unusual shapes: the general path
+    assert not s.propose_now({"action": 2, "queue": "a"}, NOW, out.append)
+    assert not s.propose_now({"action": True, "queue": "a", "data": "x"}, NOW, out.append)
+    assert not s.propose_now({"action": 1, "queue": "a", "data": "x", "priority": 3}, NOW,
+                             out.append)
+    assert not s.propose_now({"action": 1, "queue": "a", "data": "x", "ttl": 1.5}, NOW,
+                             out.append)
+    assert len(out) == 1 and s.engine.log.last_trans_id == 1
