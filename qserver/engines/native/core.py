@@ -354,8 +354,10 @@ class NativeCore:
         self.applied_id = log.base_trans_id  # highest trans_id applied to the store
         # (trans_id, undo ops) of applied, uncommitted entries
         self.undo: deque[tuple[int, list[Any]]] = deque()
-        # trans_id -> (vote_id, done, result)
-        self.waiting: dict[int, tuple[int, Done, object]] = {}
+        # (trans_id, vote_id, done, result) of proposals not yet committed,
+        # in log order (each is appended after the others, a truncation
+        # drops the last ones)
+        self.waiting: deque[tuple[int, int, Done, object]] = deque()
         self.votes: set[int] = set()  # votes (or pre-votes) granted to us this round
         self.pre_voting = False  # collecting pre-votes, not yet a candidate
         self.master_heard_ms = -(10 ** 12)  # last time a live master spoke to us
@@ -630,7 +632,7 @@ class NativeCore:
         if self.async_mode:
             self.ready.answers.append(lambda: done(result, None))
         else:
-            self.waiting[record.trans_id] = (self.vote_id, done, result)
+            self.waiting.append((record.trans_id, self.vote_id, done, result))
         if not self.peers:
             self._maybe_commit()
 
@@ -1044,8 +1046,8 @@ class NativeCore:
             self._fail_waiting()
 
     def _fail_waiting(self) -> None:
-        waiting, self.waiting = self.waiting, {}
-        for _vote, done, _result in waiting.values():
+        waiting, self.waiting = self.waiting, deque()
+        for _t, _vote, done, _result in waiting:
             self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         reads, self.reads = self.reads, deque()
         for _t, _vote_at, _round, done in reads:
@@ -1272,12 +1274,14 @@ class NativeCore:
             for record in log.slice(self.applied_id + 1, count):
                 apply(record.entry)
                 self.applied_id = record.trans_id
-        if self.waiting:
-            for trans_id in sorted(t for t in self.waiting if t <= commit_id):
-                vote, done, result = self.waiting.pop(trans_id)
-                ok = self.log.vote_id_at(trans_id) == vote
-                self.ready.answers.append(
-                    partial(done, result, None) if ok else partial(done, None, OUTCOME_UNKNOWN))
+        waiting = self.waiting
+        if waiting and waiting[0][0] <= commit_id:
+            vote_id_at = self.log.vote_id_at
+            answers = self.ready.answers
+            while waiting and waiting[0][0] <= commit_id:
+                trans_id, vote, done, result = waiting.popleft()
+                answers.append(partial(done, result, None) if vote_id_at(trans_id) == vote
+                               else partial(done, None, OUTCOME_UNKNOWN))
         if self.reads:
             self._maybe_answer_reads()
         self._maybe_compact()
@@ -1414,8 +1418,11 @@ class NativeCore:
                                  f"(commit {self.commit_id})")
         if self.applied_id > trans_id:
             self._rollback_to(trans_id)
-        for t in [t for t in self.waiting if t > trans_id]:
-            _vote, done, _result = self.waiting.pop(t)
+        waiting = self.waiting
+        dropped = []
+        while waiting and waiting[-1][0] > trans_id:
+            dropped.append(waiting.pop()[2])
+        for done in reversed(dropped):  # in log order, as they were proposed
             self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.log.truncate_after(trans_id)
         self.durable_id = min(self.durable_id, trans_id)
@@ -1455,7 +1462,7 @@ class NativeCore:
             return
         self.store.load_wire(msg.state)
         self.undo.clear()
-        for _t, (_vote, done, _result) in list(self.waiting.items()):
+        for _t, _vote, done, _result in self.waiting:
             self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.waiting.clear()
         self.log.records.clear()
