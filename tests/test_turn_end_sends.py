@@ -69,7 +69,7 @@ def test_pushes_acknowledgements_and_answers_leave_in_the_flush_that_made_them()
                     ProduceRequest(queue="q", data=f"d{i}", delay_s=None, ttl_s=None, retry_s=0),
                     int(time.time() * 1000))
                 master.propose(entry, lambda result, error: events.append(f"answered {error}"))
-                await until(lambda: events.count("connections written") == i + 1,
+                await until(lambda i=i: events.count("connections written") == i + 1,
                             f"write {i} committed and answered")
         finally:
             for engine in engines:
