@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.instructions:
         return _instructions(args)
     sys.path.insert(0, str(Path(args.qserver_src).resolve() if args.qserver_src else REPO_DIR))
+    # qserver first: bench/hotpath.py puts this checkout first on sys.path,
+    # and another tree's qserver must be the one imported.
+    import qserver.node  # noqa: F401
     sys.path.insert(0, str(BENCH_DIR))
     import uvloop
     return uvloop.run(_measure(args))
