@@ -16,7 +16,7 @@ import time
 from qserver.engines.native import driver
 from qserver.engines.native.driver import ClusterEngine
 from qserver.wire.requests import ProduceRequest
-from test_engine_sync import three_engines, until
+from test_engine_sync import started_master, three_engines, until
 
 DEADLINE_S = 60.0
 
@@ -35,10 +35,7 @@ def produce(engine: ClusterEngine, data: str) -> bool:
 async def writes_in_turns(monkeypatch) -> None:
     engines = three_engines('  <replication mode="async"/>\n')
     try:
-        for engine in engines:
-            await engine.start()
-        await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
-        master = next(e for e in engines if e.is_master)
+        master = await started_master(engines)
         slaves = [e for e in engines if e is not master]
         await until(lambda: master.commits_at_once and all(
             s.core.log.last_trans_id == master.core.log.last_trans_id for s in slaves),

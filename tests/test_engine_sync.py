@@ -72,6 +72,14 @@ def three_engines(extra: str = "") -> list[ClusterEngine]:
                           store=Store(queue_size=10_000), log_=Log()) for i in (1, 2, 3)]
 
 
+async def started_master(engines: list[ClusterEngine]) -> ClusterEngine:
+    """Start the adapters (three_engines) and wait until one is master: it."""
+    for engine in engines:
+        await engine.start()
+    await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
+    return next(e for e in engines if e.is_master)
+
+
 async def until(predicate, what: str) -> None:
     end = time.monotonic() + DEADLINE_S
     while not predicate():

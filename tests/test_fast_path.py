@@ -14,6 +14,7 @@ from qserver.engines import LeaderInfo, LocalEngine
 from qserver.service import Service
 from qserver.state.log import Log
 from qserver.state.store import Store
+from test_node_shutdown import HeldEngine
 
 NOW = 1_700_000_000_000
 
@@ -44,6 +45,19 @@ def _service() -> Service:
     return Service(config=config, store=store, engine=engine)
 
 
+def _same_answers(fast: list, general: list, request: dict) -> None:
+    """The same answers, their fields in the same order."""
+    assert fast == general, request
+    assert [list(r.items()) for r in fast] == [list(r.items()) for r in general]
+
+
+def _same_state(fast: Service, general: Service) -> None:
+    """The same store and log, and a consistent store."""
+    assert fast.store.to_wire() == general.store.to_wire()
+    assert list(fast.engine.log.records) == list(general.engine.log.records)
+    fast.store._check()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(_request, st.integers(0, 5000)), max_size=40))
 def test_fast_path_matches_general_path(steps):
@@ -54,11 +68,8 @@ def test_fast_path_matches_general_path(steps):
         got_fast, got_general = [], []
         fast.handle(copy.deepcopy(request), now, got_fast.append)
         general.handle_general(copy.deepcopy(request), now, got_general.append)
-        assert got_fast == got_general, request
-        assert [list(r.items()) for r in got_fast] == [list(r.items()) for r in got_general]
-    assert fast.store.to_wire() == general.store.to_wire()
-    assert list(fast.engine.log.records) == list(general.engine.log.records)
-    fast.store._check()
+        _same_answers(got_fast, got_general, request)
+    _same_state(fast, general)
 
 
 def test_fast_path_is_taken_for_the_usual_shape():
@@ -86,27 +97,12 @@ def test_a_confirm_with_a_receipt_takes_the_fast_path():
     assert s.answer_now({"action": 3, "queue": "a", "msg_id": 1, "receipt": 5}, NOW) is None
 
 
-class _Replicating(LocalEngine):
-    """A master whose writes commit when the test says (a quorum master:
-    the entry is applied at once, answered later), around a LocalEngine."""
-
-    commits_at_once = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.later: list = []
-
-    def propose(self, entry, done) -> None:
-        result = self.commit_now(entry)
-        self.later.append(lambda: done(result, None))
+class _Replicating(HeldEngine):
+    """A master whose writes and reads are answered when the test says (a
+    quorum master: the entry is applied at once, answered once it commits)."""
 
     def read_index(self, done) -> None:
-        self.later.append(lambda: done(None, None))
-
-    def commit(self) -> None:
-        later, self.later = self.later, []
-        for release in later:
-            release()
+        self.held.append(lambda: done(None, None))
 
 
 def _replicating_service() -> Service:
@@ -140,13 +136,10 @@ def test_propose_path_matches_general_path(steps):
         fast.handle(copy.deepcopy(request), now, got_fast.append)
         general.handle(copy.deepcopy(request), now, got_general.append)
         if commit:  # or with later requests: answers of several turns wait together
-            fast.engine.commit()
-            general.engine.commit()
-        assert got_fast == got_general, request
-        assert [list(r.items()) for r in got_fast] == [list(r.items()) for r in got_general]
-    assert fast.store.to_wire() == general.store.to_wire()
-    assert list(fast.engine.log.records) == list(general.engine.log.records)
-    fast.store._check()
+            fast.engine.release()
+            general.engine.release()
+        _same_answers(got_fast, got_general, request)
+    _same_state(fast, general)
 
 
 def test_propose_path_is_taken_for_the_usual_produce_and_answers_once_committed():
@@ -157,7 +150,7 @@ def test_propose_path_is_taken_for_the_usual_produce_and_answers_once_committed(
                "seq": 4}
     assert s.propose_now(request, NOW, out.append)
     assert out == [] and s.engine.log.last_trans_id == 1  # applied, not yet answered
-    s.engine.commit()
+    s.engine.release()
     assert out == [{"action": 1, "queue": "a", "seq": 4, "code": 0, "msg_id": 1}]
     # other actions and unusual shapes: the general path
     assert not s.propose_now({"action": 2, "queue": "a"}, NOW, out.append)

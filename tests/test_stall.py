@@ -29,7 +29,7 @@ from qserver.engines.native import driver
 from qserver.engines.native.core import NativeCore, Role, Timing
 from qserver.state.log import Log
 from qserver.state.store import Store
-from test_engine_sync import DEADLINE_S, three_engines, until
+from test_engine_sync import DEADLINE_S, started_master, three_engines, until
 
 NOW = 1_700_000_000_000
 TIMING = Timing(heartbeat_ms=100, election_ms=600, pull_retry_ms=300)  # the driver's
@@ -209,10 +209,7 @@ async def everyone_stalls(monkeypatch, caplog) -> None:
     long. The timers (real time) fire late by that much on its clock."""
     engines = three_engines()
     try:
-        for engine in engines:
-            await engine.start()
-        await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
-        master = next(e for e in engines if e.is_master)
+        master = await started_master(engines)
         vote = master.core.vote_id
         await until(lambda: all(p.acked_ms > 0 for p in master.core.peers.values()),
                     "both slaves answered")

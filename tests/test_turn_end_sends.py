@@ -16,7 +16,7 @@ import time
 
 from qserver.engines.native.driver import ClusterEngine
 from qserver.wire.requests import ProduceRequest
-from test_engine_sync import three_engines, until
+from test_engine_sync import started_master, three_engines, until
 
 
 def _queued(engine: ClusterEngine) -> int:
@@ -43,10 +43,7 @@ def test_pushes_acknowledgements_and_answers_leave_in_the_flush_that_made_them()
     async def main() -> None:
         engines = three_engines('  <replication mode="quorum"/>\n')
         try:
-            for engine in engines:
-                await engine.start()
-            await until(lambda: sum(e.is_master for e in engines) == 1, "a master")
-            master = next(e for e in engines if e.is_master)
+            master = await started_master(engines)
             assert master.net is not None
             await until(lambda: len(master.net.connected_ids()) == 2, "both slaves linked")
             events: list[str] = []
