@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from .config import Config
@@ -446,6 +446,12 @@ class Service:
             return
         if self.propose_now(obj, now_ms, respond):
             return
+        self.handle_parsed(obj, now_ms, respond, forwarded=forwarded, session=session)
+
+    def handle_parsed(self, obj: object, now_ms: int, respond: Respond, *,
+                      forwarded: bool = False, session: Session | None = None) -> None:
+        """The general path proper, for what neither fast path took: the
+        request parsed and handed to its action's handler."""
         try:
             req = parse_request(obj)
         except BadRequest as exc:
@@ -670,7 +676,7 @@ class Service:
                          respond: Respond) -> None:
         """Replicate a decided produce; answer `obj` once it commits."""
 
-        def done(targets: list[tuple[str, int]], error: str | None) -> None:
+        def done(targets: Sequence[tuple[str, int]], error: str | None) -> None:
             if error is not None:
                 respond(error_response(error, obj))
                 return

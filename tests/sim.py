@@ -25,8 +25,9 @@ Two configurations (Network arguments):
 - The production one, as `ClusterEngine` builds its core
   (`external_snapshots=True`, and `deferred_sync=True` in quorum mode, i.e.
   fsync=always). Snapshots are files: once `log_size` entries are applied
-  past the newest snapshot the node "forks" a writer (a copy of the core,
-  rolled back with `prepare_snapshot`, as the child does) that finishes
+  past the newest snapshot the node "forks" a writer (copies of the core's
+  store and undo records, rolled back with `roll_back`, as the child's
+  `prepare_snapshot` does) that finishes
   after `snapshot_write_ms`; the node then adopts the file (it becomes the
   newest snapshot on disk, the records it covers go) and calls
   `snapshot_taken`. The core's `snapshot_sends` stream the node's newest
@@ -153,7 +154,7 @@ from typing import NamedTuple
 from qserver.engines.base import LeaderInfo
 from qserver.engines.messages import Snapshot, VoteReply, message_from_wire, message_to_wire
 from qserver.engines.native import core as native
-from qserver.engines.native.core import NativeCore, Role, Timing
+from qserver.engines.native.core import NativeCore, Role, Timing, roll_back
 from qserver.engines.native.driver import ASYNC_PUSH_INTERVAL_MS
 from qserver.engines.native.durability import BATCH_SYNC_MS
 from qserver.engines.native.snapshots import (
@@ -697,8 +698,8 @@ class Network:
     def _maybe_write(self, node: SimNode) -> None:
         """SnapshotFiles.maybe_write: once log_size entries were applied past
         the newest snapshot (alone: see snapshot_due), fork a writer. The
-        child's copy of the core is rolled back to the snapshot point with
-        prepare_snapshot, as in SnapshotFiles._fork_snapshot; the file is
+        child's copy of the store is rolled back to the snapshot point with
+        roll_back, as prepare_snapshot does in SnapshotFiles._fork_snapshot; the file is
         ready `snapshot_write_ms` later."""
         if not self.external_snapshots or node.writer is not None:
             return
@@ -715,12 +716,13 @@ class Network:
         # which share objects with it (a clear's record holds the queue's
         # former containers) that the child's rollback changes; without the
         # Checker's hooks (the class's methods again).
-        child = copy.copy(core)
-        child.store, child.undo = copy.deepcopy((core.store, core.undo))
+        # (NativeCore.prepare_snapshot is roll_back on the core's own; a
+        # compiled core, qserver.compiled, cannot be copied.)
+        store, undo = copy.deepcopy((core.store, core.undo))
         for hook in ("apply", "revert", "load_wire"):
-            vars(child.store).pop(hook, None)
-        child.prepare_snapshot(trans_id)
-        state = child.store.to_wire()
+            vars(store).pop(hook, None)
+        roll_back(store, undo, core.applied_id, core.commit_id, trans_id)
+        state = store.to_wire()
         node.writer = trans_id
         self.schedule(self.rng.randint(*self.snapshot_write_ms),
                       partial(self._snapshot_written, node, trans_id, vote_id, state), node.node_id)
@@ -1995,7 +1997,7 @@ class Workload:
         reason if the core refused it at once (a master handing its role
         over), as Service._move sees it: then nothing changed."""
         refused: list[str] = []
-        core.propose(entry, lambda _result, error: error is None or refused.append(error))
+        core.propose(entry, lambda _result, error: None if error is None else refused.append(error))
         if refused:
             return refused[0]
         self._note_decision(core, entry, kind)

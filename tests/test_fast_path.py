@@ -127,14 +127,15 @@ _usual_produce = st.fixed_dictionaries(
                           st.booleans()), max_size=40))
 def test_propose_path_matches_general_path(steps):
     fast, general = _replicating_service(), _replicating_service()
-    general.propose_now = lambda obj, now_ms, respond: False  # type: ignore[method-assign]
     now = NOW
     got_fast: list = []
     got_general: list = []
     for request, advance, commit in steps:
         now += advance
         fast.handle(copy.deepcopy(request), now, got_fast.append)
-        general.handle(copy.deepcopy(request), now, got_general.append)
+        # The general path without propose_now: on a replicating master,
+        # handle() goes to handle_general, which tries propose_now first.
+        general.handle_parsed(copy.deepcopy(request), now, got_general.append)
         if commit:  # or with later requests: answers of several turns wait together
             fast.engine.release()
             general.engine.release()

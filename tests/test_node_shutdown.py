@@ -57,7 +57,6 @@ async def start_node() -> tuple[Node, HeldEngine]:
     engine = HeldEngine(store=node.store, log=node.log, me=node.engine.leader(),
                         log_size=node.config.log_size)
     node.engine = node.service.engine = engine
-    node.service._commits_at_once = False
     await node.start()
     return node, engine
 

@@ -26,17 +26,33 @@ def _queued(engine: ClusterEngine) -> int:
                for link in engine.net._current.values())
 
 
-def _watch(engine: ClusterEngine, flushes: list[tuple[int, int, list[str]]],
+def _watch(engines: list[ClusterEngine], flushes: list[tuple[int, int, list[str]]],
            events: list[str]) -> None:
-    """Record, for each of the engine's flushes: its node id, the frames
-    still queued when it returned, and the events it caused."""
-    flush = engine._flush
+    """Record, for each flush of the engines: its node id, the frames still
+    queued when it returned, and the events it caused. The flushes are the
+    callback `_schedule_flush` hands the loop and the timer's (`_on_timer`
+    ends with one); they are watched at the loop, not by replacing the
+    method: a compiled ClusterEngine (qserver.compiled) has methods that
+    cannot be replaced."""
+    loop = asyncio.get_running_loop()
 
-    def watched() -> None:
-        before = len(events)
-        flush()
-        flushes.append((engine.config.node_id, _queued(engine), events[before:]))
-    engine._flush = watched  # type: ignore[method-assign]
+    def watching(callback):  # type: ignore[no-untyped-def]
+        owner = getattr(callback, "__self__", None)
+        if getattr(callback, "__name__", "") not in ("_flush", "_on_timer") or not any(
+                owner is engine for engine in engines):
+            return callback
+
+        def watched(*args) -> None:  # type: ignore[no-untyped-def]
+            before = len(events)
+            callback(*args)
+            flushes.append((owner.config.node_id, _queued(owner), events[before:]))
+        return watched
+
+    call_soon, call_later = loop.call_soon, loop.call_later
+    loop.call_soon = lambda callback, *args, context=None: call_soon(  # type: ignore[method-assign]
+        watching(callback), *args, context=context)
+    loop.call_later = lambda delay, callback, *args, context=None: call_later(  # type: ignore[method-assign]
+        delay, watching(callback), *args, context=context)
 
 
 def test_pushes_acknowledgements_and_answers_leave_in_the_flush_that_made_them():
@@ -49,8 +65,8 @@ def test_pushes_acknowledgements_and_answers_leave_in_the_flush_that_made_them()
             events: list[str] = []
             flushes: list[tuple[int, int, list[str]]] = []
             sent: list[int] = []
+            _watch(engines, flushes, events)
             for engine in engines:
-                _watch(engine, flushes, events)
                 assert engine.net is not None
                 send_encoded = engine.net.send_encoded
 

@@ -331,7 +331,9 @@ def _str(value: object, what: str) -> str:
 
 
 def _final(value: object) -> int:
-    if value not in (FINAL_NONE, FINAL_MAX_DELIVERIES, FINAL_EXPIRED) or type(value) is not int:
+    # The type first: compiled (qserver.compiled), `in` on a tuple of ints
+    # narrows `value` to int and would take True or 1.0 for 1.
+    if type(value) is not int or value not in (FINAL_NONE, FINAL_MAX_DELIVERIES, FINAL_EXPIRED):
         raise ValueError(f"final must be 0, 1 or 2, got {value!r}")
     return value
 

@@ -173,8 +173,8 @@ from ..messages import (
     VoteRequest,
 )
 
-__all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "OUTCOME_UNKNOWN", "TRANSFERRING",
-           "NOT_MASTER", "NO_SUCH_NODE", "NOT_CAUGHT_UP", "TRANSFER_TIMED_OUT",
+__all__ = ["Role", "Timing", "OwnSync", "Ready", "NativeCore", "roll_back", "OUTCOME_UNKNOWN",
+           "TRANSFERRING", "NOT_MASTER", "NO_SUCH_NODE", "NOT_CAUGHT_UP", "TRANSFER_TIMED_OUT",
            "TRANSFER_IN_PROGRESS"]
 
 OUTCOME_UNKNOWN = "master changed before the write committed; outcome unknown"
@@ -315,6 +315,25 @@ class _Transfer:
         self.sent = False  # TimeoutNow sent: the target was caught up
         self.dones = [done]  # told how it ended (one request per asker)
 
+
+
+def roll_back(store: Store, undo: deque[tuple[int, list[Any]]], applied_id: int,
+              commit_id: int, trans_id: int) -> int:
+    """Undo the entries applied to `store` after `trans_id` (all uncommitted:
+    not below `commit_id`), newest first, taking their records from the end
+    of `undo`; returns the new applied position (trans_id). NativeCore's
+    rollback, and what a forked snapshot writer does to its copies of the
+    store and the undo records (`prepare_snapshot`; the simulation's writer
+    copies only those two, as a fork would)."""
+    if trans_id < commit_id:
+        raise InvariantError(f"rollback to {trans_id} below commit {commit_id}")
+    while applied_id > trans_id:
+        if not undo or undo[-1][0] != applied_id:
+            raise InvariantError(f"no undo record for applied entry {applied_id}")
+        _, ops = undo.pop()
+        store.revert(ops)
+        applied_id -= 1
+    return applied_id
 
 class NativeCore:
     """One node's replication state machine (see the module docstring)."""
@@ -1322,15 +1341,8 @@ class NativeCore:
 
     def _rollback_to(self, trans_id: int) -> None:
         """Undo applied entries after `trans_id` (all uncommitted)."""
-        if trans_id < self.commit_id:
-            raise InvariantError(f"rollback to {trans_id} below commit {self.commit_id}")
-        undo = self.undo
-        while self.applied_id > trans_id:
-            if not undo or undo[-1][0] != self.applied_id:
-                raise InvariantError(f"no undo record for applied entry {self.applied_id}")
-            _, ops = undo.pop()
-            self.store.revert(ops)
-            self.applied_id -= 1
+        self.applied_id = roll_back(self.store, self.undo, self.applied_id, self.commit_id,
+                                    trans_id)
 
     # -- replication: slave side -------------------------------------------
 
@@ -1422,7 +1434,9 @@ class NativeCore:
         dropped = []
         while waiting and waiting[-1][0] > trans_id:
             dropped.append(waiting.pop()[2])
-        for done in reversed(dropped):  # in log order, as they were proposed
+        # In log order, as they were proposed (a slice, not reversed():
+        # mypyc cannot compile a loop over reversed() of this list).
+        for done in dropped[::-1]:
             self.ready.answers.append(partial(done, None, OUTCOME_UNKNOWN))
         self.log.truncate_after(trans_id)
         self.durable_id = min(self.durable_id, trans_id)

@@ -155,12 +155,19 @@ DISK_MARGIN_BYTES = 64 * 1024
 DISK_FREE_BYTES = 1024 * 1024
 
 
-def now_ms() -> int:
+def monotonic_ms() -> int:
     """The core's clock: monotonic, for its timers only (elections,
     heartbeats, pulls). A step of the wall clock (NTP, an operator) must not
     look like a silent master. Message times are wall-clock (the client
     protocols', forwarding.wall_ms)."""
     return int(time.monotonic() * 1000)
+
+
+# What the adapter reads its clock through: a variable, looked up at every
+# call, so that a test or bench may stop the clock (`driver.now_ms = ...`)
+# also when this module is compiled (qserver.compiled), where the calls of a
+# function defined here are bound when compiled.
+now_ms: Callable[[], int] = monotonic_ms
 
 
 class ClusterEngine:
