@@ -726,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
     head = subprocess.run(["git", "log", "-1", "--format=%h %s"], cwd=REPO_DIR,
                           capture_output=True, text=True).stdout.strip()
     print(f"qserver at {head[:100]}")
+    # what the nodes run: the hot path compiled or as Python (qserver/compiled.py)
+    modules = subprocess.run([sys.executable, "-m", "qserver.hotbuild", "status"], cwd=REPO_DIR,
+                             capture_output=True, text=True).stdout.strip()
+    print(f"qserver's modules: {modules}")
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus shared by the generator and "
           f"every node, load average {os.getloadavg()[0]:.2f} at start; {args.concurrency} "
           f"closed-loop clients, {args.seconds} s per run, {args.repeat} runs per target, "

@@ -39,6 +39,11 @@ fifth on a shared machine. The master's figure then includes the
 stand-in slaves' work (decoding each push, encoding its reply), the same
 for every tree. `--qserver-src DIR` measures another tree (`git
 archive REV | tar -x -C DIR`), for before/after figures.
+
+The first line says whether the hot path ran compiled (qserver/compiled.py;
+`QSERVER_PURE=1` for the same as Python). Compiled, the driver's calls of
+its clock cannot be replaced, so the clock is not frozen under
+`--instructions` and the figure moves by a little more between runs.
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ async def _measure(args: argparse.Namespace) -> int:
     if args.measure_only is not None:  # one run, for _instructions
         await _run(args, master=args.measure_only == "master", frozen_clock=True)
         return 0
+    import qserver.compiled
+    print(f"qserver's modules: {qserver.compiled.status()}")
     print(f"{args.n} produces in turns of {args.turn}, {args.repeat} fresh nodes each; "
           f"CPU us per produce{' (with storage, fsync=batch)' if args.storage else ''}")
     for master in (False, True):
@@ -242,6 +249,8 @@ async def _run(args: argparse.Namespace, *, master: bool, frozen_clock: bool) ->
 
 def _instructions(args: argparse.Namespace) -> int:
     long_n, short_n = args.n, max(args.turn, args.n // 3)
+    import qserver.compiled
+    print(f"qserver's modules: {qserver.compiled.status()}")
     print(f"instructions per produce under callgrind (a run of {long_n} produces minus one of "
           f"{short_n}), turns of {args.turn}{', with storage' if args.storage else ''}")
     for what in ("single", "master"):

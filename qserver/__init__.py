@@ -11,3 +11,9 @@ keeps the log on disk; `client/` is the Python client; `config`, `errors`,
 """
 
 __version__ = "0.1.0"
+
+# The hot path's compiled modules, when built and matching the source
+# (qserver/compiled.py); before any of them is imported.
+from . import compiled as _compiled
+
+_compiled.install()

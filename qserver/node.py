@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import compiled
 from .auth import Guard
 from .config import Config
 from .config import Engine as ConfigEngine
@@ -283,6 +284,9 @@ class Node:
         log.info("qserver node %d serving on %s:%d (%s), %s", cfg.node_id, host, port, protocols,
                  f"cluster of {len(cfg.peers)}, mode {cfg.mode.value}" if len(cfg.peers) > 1
                  else "single node")
+        # what runs the hot path: compiled, or Python and why (qserver/compiled.py)
+        log.log(logging.WARNING if compiled.stale() else logging.INFO, "node %d: hot path %s",
+                cfg.node_id, compiled.status())
 
     async def _start_http(self, host: str, port: int) -> None:
         """Bind the HTTP port: metrics and probes. Raises OSError."""
