@@ -41,9 +41,9 @@ for every tree. `--qserver-src DIR` measures another tree (`git
 archive REV | tar -x -C DIR`), for before/after figures.
 
 The first line says whether the hot path ran compiled (qserver/compiled.py;
-`QSERVER_PURE=1` for the same as Python). Compiled, the driver's calls of
-its clock cannot be replaced, so the clock is not frozen under
-`--instructions` and the figure moves by a little more between runs.
+`QSERVER_PURE=1` for the same as Python). Either way the clock is frozen
+under `--instructions`: the driver reads it through a module variable
+(`driver.now_ms`), which compiled code looks up at every call.
 """
 
 from __future__ import annotations

@@ -75,7 +75,12 @@ BUILD_DIR = PACKAGE_DIR / "_compiled"
 MANIFEST = BUILD_DIR / "manifest.json"
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
-_state: dict[str, object] = {"active": False, "reason": "not checked"}
+# Why this process runs what it runs: COMPILED, or the reason it is Python.
+COMPILED = "compiled"
+NOT_CHECKED = "not checked"
+NOT_BUILT = "not built"
+PURE_SET = "QSERVER_PURE is set"
+_reason = NOT_CHECKED
 
 
 def _source(module: str) -> Path:
@@ -96,7 +101,7 @@ def check() -> str | None:
     try:
         manifest = json.loads(MANIFEST.read_text())
     except FileNotFoundError:
-        return "not built"
+        return NOT_BUILT
     except (OSError, ValueError) as exc:
         return f"unreadable manifest {MANIFEST}: {exc}"
     if manifest.get("suffix") != SUFFIX or manifest.get("hexversion") != sys.hexversion:
@@ -135,42 +140,42 @@ def install() -> bool:
     """Use the compiled modules if they match the source (see the module
     docstring); True if they will be used. Called by `import qserver`,
     before any HOT module is imported; once."""
-    if _state["reason"] != "not checked":
-        return bool(_state["active"])
+    global _reason
+    if _reason != NOT_CHECKED:
+        return _reason == COMPILED
     if os.environ.get("QSERVER_PURE", "") not in ("", "0"):
-        reason: str | None = "QSERVER_PURE is set"
+        reason: str | None = PURE_SET
     elif already := [m for m in HOT if m in sys.modules]:
         reason = f"{already[0]} was imported first"
     else:
         reason = check()
     if reason is None:
         sys.meta_path.insert(0, _Finder())
-        _state.update(active=True, reason="compiled")
+        _reason = COMPILED
         return True
-    _state.update(active=False, reason=reason)
+    _reason = reason
     return False
 
 
 def active() -> bool:
     """Whether this process runs the compiled modules."""
-    return bool(_state["active"])
+    return _reason == COMPILED
 
 
 def status() -> str:
     """What this process runs, in a line (a node logs it as it starts)."""
-    if _state["active"]:
+    if _reason == COMPILED:
         return f"compiled ({len(HOT)} modules, mypyc)"
     if stale():
-        return (f"pure Python ({_state['reason']}; `python -m qserver.hotbuild build` "
+        return (f"pure Python ({_reason}; `python -m qserver.hotbuild build` "
                 f"or make compiles it again)")
-    return f"pure Python ({_state['reason']})"
+    return f"pure Python ({_reason})"
 
 
 def stale() -> bool:
     """Whether there is a build this process does not use because it does
     not match (a node logs that as a warning)."""
-    return not _state["active"] and _state["reason"] not in (
-        "not built", "QSERVER_PURE is set", "not checked")
+    return _reason not in (COMPILED, NOT_BUILT, PURE_SET, NOT_CHECKED)
 
 
 def build(quiet: bool = False) -> int:

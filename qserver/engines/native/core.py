@@ -316,7 +316,6 @@ class _Transfer:
         self.dones = [done]  # told how it ended (one request per asker)
 
 
-
 def roll_back(store: Store, undo: deque[tuple[int, list[Any]]], applied_id: int,
               commit_id: int, trans_id: int) -> int:
     """Undo the entries applied to `store` after `trans_id` (all uncommitted:
@@ -334,6 +333,7 @@ def roll_back(store: Store, undo: deque[tuple[int, list[Any]]], applied_id: int,
         store.revert(ops)
         applied_id -= 1
     return applied_id
+
 
 class NativeCore:
     """One node's replication state machine (see the module docstring)."""
